@@ -1,0 +1,57 @@
+"""Shared plumbing of every op: resolving the group, tracing, wrapping torch works in a handle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from lowband.comm import validate
+from lowband.comm.handle import Handle
+from lowband.group import Group
+from lowband.runtime import Context, world_group
+
+T = TypeVar("T")
+
+
+def resolve(op: str, group: Group | None) -> tuple[Context, Group]:
+    return world_group(group, op)
+
+
+def checked_tensor(op: str, ctx: Context, t: object, what: str = "tensor") -> torch.Tensor:
+    return validate.check_tensor(op, ctx.rank, t, what)
+
+
+def check_name(op: str, ctx: Context, name: object) -> str | None:
+    if name is not None and not isinstance(name, str):
+        from lowband.errors import InvalidArgumentError
+
+        raise InvalidArgumentError(f"lowband.{op} on rank {ctx.rank}: name must be a str or None, got {type(name).__name__}")
+    return name
+
+
+def make_handle(
+    ctx: Context,
+    g: Group,
+    op: str,
+    name: str | None,
+    issue: Callable[[], Sequence[Any]],
+    finish: Callable[[], T],
+    sent: int = 0,
+    received: int = 0,
+) -> Handle[T]:
+    """Issue the torch works (in program order, on the caller's thread) and wrap them in a handle."""
+    tracer = ctx.tracer
+    ev = tracer.start(op, name, int(sent), int(received), g.name) if tracer.enabled else None
+    works = issue()
+    return Handle(works, finish, op=op, name=name, rank=ctx.rank, timeout=ctx.config.timeout, tracer=tracer, event=ev)
+
+
+def contiguous_flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous view (0-d tensors become one element)."""
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

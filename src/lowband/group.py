@@ -1,0 +1,51 @@
+"""A process group as lowband sees it: a torch ProcessGroup plus the ranks it spans."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from lowband.errors import InvalidArgumentError
+
+
+@dataclass(eq=False)
+class Group:
+    """A set of ranks that communicate together.
+
+    ``pg`` is the torch ``ProcessGroup`` (gloo, NCCL, or a device-dispatching one) the ops run on.
+    ``ranks[i]`` is the world rank of the group's rank ``i``; every rank argument of a lowband op
+    (roots, sources, destinations) is a rank *in the group*, as in MPI.
+    """
+
+    pg: Any
+    ranks: tuple[int, ...]
+    rank: int
+    name: str = "world"
+    _seq: itertools.count[int] = field(default_factory=itertools.count, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def world_rank(self) -> int:
+        return self.ranks[self.rank]
+
+    def next_seq(self) -> int:
+        """Sequence number of the next collective on this group (the same on every member)."""
+        return next(self._seq)
+
+    def check_rank(self, op: str, what: str, r: object) -> int:
+        """Validate a rank argument of ``op``; returns it as an int."""
+        if isinstance(r, bool) or not isinstance(r, int):
+            raise InvalidArgumentError(
+                f"lowband.{op} on rank {self.world_rank}: {what} must be an int rank in group "
+                f"{self.name!r}, got {type(r).__name__}"
+            )
+        if not 0 <= r < self.size:
+            raise InvalidArgumentError(
+                f"lowband.{op} on rank {self.world_rank}: {what}={r} is not a rank of group "
+                f"{self.name!r} (size {self.size})"
+            )
+        return r

@@ -1,0 +1,252 @@
+"""The runtime context: who am I, who are my peers, which process groups exist.
+
+One context per rank. In a normal program (torchrun, ``lowband run``, :func:`lowband.launch`, or a
+plain ``python`` with no launcher, which makes a world of one) the context is process-wide. The test
+harness runs ranks as threads of one process; each thread then has a context of its own with its own
+gloo process group, so nothing here may assume one rank per process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lowband.comm.trace import Tracer
+from lowband.config import Config
+from lowband.errors import InvalidArgumentError, LowbandError, NotInitializedError
+from lowband.group import Group
+
+
+@dataclass(eq=False)
+class Context:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    config: Config
+    world: Group
+    tracer: Tracer
+    threaded: bool = False
+    store: Any = None
+    owns_default_pg: bool = False
+    local_group: Group | None = None
+    machine_group: Group | None = None
+    _group_counter: int = field(default=0, repr=False)
+    _groups: list[Group] = field(default_factory=list, repr=False)
+
+    @property
+    def machine_rank(self) -> int:
+        return self.rank // self.local_size
+
+    @property
+    def machine_size(self) -> int:
+        return self.size // self.local_size
+
+    def timeout_td(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.config.timeout)
+
+
+_global: Context | None = None
+_local = threading.local()
+
+
+def current(op: str = "this operation") -> Context:
+    """The calling rank's context; raises :class:`NotInitializedError` naming ``op`` if there is none."""
+    ctx: Context | None = getattr(_local, "ctx", None) or _global
+    if ctx is None:
+        raise NotInitializedError(f"lowband.{op}: lowband is not initialised on this process; call lowband.init() first")
+    return ctx
+
+
+def is_initialized() -> bool:
+    return (getattr(_local, "ctx", None) or _global) is not None
+
+
+def _resolve_local_size(size: int, local_size: int | None) -> int:
+    if local_size is None:
+        env = os.environ.get("LOWBAND_LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE")
+        local_size = int(env) if env else size
+    if local_size < 1 or size % local_size != 0:
+        raise InvalidArgumentError(
+            f"lowband.init: local_size={local_size} must be >= 1 and divide the world size {size} "
+            "(ranks are laid out machine by machine, local_size ranks per machine)"
+        )
+    return local_size
+
+
+def _default_backend() -> str:
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init(
+    *,
+    backend: str | None = None,
+    timeout: float | None = None,
+    check: bool | None = None,
+    fusion_threshold: int | None = None,
+    trace: bool | None = None,
+    local_size: int | None = None,
+) -> Context:
+    """Initialise lowband on this process.
+
+    Under torchrun or ``lowband run`` it joins the world described by the ``RANK``/``WORLD_SIZE``/
+    ``MASTER_ADDR``/``MASTER_PORT`` environment (env://). If torch.distributed is already initialised
+    it adopts the default process group. With no launcher at all it makes a world of one.
+
+    ``local_size`` ranks form one machine (default: ``LOWBAND_LOCAL_SIZE``, else torchrun's
+    ``LOCAL_WORLD_SIZE``, else the whole world); it may be set smaller to emulate several machines.
+    Calling ``init`` again returns the existing context.
+    """
+    global _global
+    if is_initialized():
+        return current()
+    config = Config.from_env(timeout, check, fusion_threshold, trace)
+    td = datetime.timedelta(seconds=config.timeout)
+    owns = False
+    if not dist.is_initialized():
+        be = backend or _default_backend()
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(be, init_method="env://", timeout=td)
+        else:
+            dist.init_process_group(be, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        owns = True
+    rank, size = dist.get_rank(), dist.get_world_size()
+    ls = _resolve_local_size(size, local_size)
+    world = Group(dist.group.WORLD, tuple(range(size)), rank, "world")
+    ctx = Context(rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), owns_default_pg=owns)
+    _global = ctx
+    _make_hierarchy(ctx)
+    return ctx
+
+
+def init_thread_rank(store: Any, rank: int, size: int, config: Config, local_size: int | None = None) -> Context:
+    """Make this *thread* a rank of its own gloo world (used by :mod:`lowband.testing`)."""
+    ls = _resolve_local_size(size, local_size if local_size is not None else size)
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("lowband/world", store), rank, size, datetime.timedelta(seconds=config.timeout))
+    world = Group(pg, tuple(range(size)), rank, "world")
+    ctx = Context(rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), threaded=True, store=store)
+    _local.ctx = ctx
+    _make_hierarchy(ctx)
+    return ctx
+
+
+def _make_hierarchy(ctx: Context) -> None:
+    """Build the intra-machine and cross-machine groups when there is more than one machine."""
+    if ctx.machine_size == 1:
+        ctx.local_group = ctx.world
+        return
+    ls = ctx.local_size
+    for m in range(ctx.machine_size):
+        g = _new_group(ctx, list(range(m * ls, (m + 1) * ls)), f"machine{m}")
+        if g is not None:
+            ctx.local_group = g
+    for lr in range(ls):
+        g = _new_group(ctx, list(range(lr, ctx.size, ls)), f"local_rank{lr}")
+        if g is not None:
+            ctx.machine_group = g
+
+
+def _new_group(ctx: Context, ranks: list[int], name: str) -> Group | None:
+    key = ctx._group_counter
+    ctx._group_counter += 1
+    if ctx.threaded:
+        if ctx.rank not in ranks:
+            return None
+        store = dist.PrefixStore(f"lowband/group{key}", ctx.store)
+        pg: Any = dist.ProcessGroupGloo(store, ranks.index(ctx.rank), len(ranks), ctx.timeout_td())
+    else:
+        pg = dist.new_group(ranks=ranks, timeout=ctx.timeout_td())
+        if ctx.rank not in ranks:
+            return None
+    g = Group(pg, tuple(ranks), ranks.index(ctx.rank), name)
+    ctx._groups.append(g)
+    return g
+
+
+def new_group(ranks: list[int], name: str | None = None) -> Group | None:
+    """Create a process group of the given world ranks. Every rank of the world must call it, in the same
+    order (as with ``torch.distributed.new_group``); ranks outside ``ranks`` get ``None``."""
+    ctx = current("new_group")
+    rl = list(ranks)
+    if not rl or len(set(rl)) != len(rl) or any(not isinstance(r, int) or not 0 <= r < ctx.size for r in rl):
+        raise InvalidArgumentError(
+            f"lowband.new_group on rank {ctx.rank}: ranks must be distinct world ranks in [0, {ctx.size}), got {rl}"
+        )
+    return _new_group(ctx, sorted(rl), name or f"group{ctx._group_counter}")
+
+
+def shutdown() -> None:
+    """Tear down this rank's context (and torch.distributed, if lowband initialised it)."""
+    global _global
+    ctx = getattr(_local, "ctx", None)
+    if ctx is not None:
+        _local.ctx = None
+        for g in [ctx.world, *ctx._groups]:
+            try:
+                g.pg.shutdown()
+            except (RuntimeError, AttributeError):
+                pass
+        return
+    if _global is None:
+        return
+    ctx, _global = _global, None
+    if ctx.owns_default_pg and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_group(group: Group | None, op: str) -> tuple[Context, Group]:
+    ctx = current(op)
+    if group is None:
+        return ctx, ctx.world
+    if not isinstance(group, Group):
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {ctx.rank}: group must be a lowband Group (from lowband.new_group), "
+            f"got {type(group).__name__}"
+        )
+    return ctx, group
+
+
+def rank() -> int:
+    return current("rank").rank
+
+
+def size() -> int:
+    return current("size").size
+
+
+def local_rank() -> int:
+    return current("local_rank").local_rank
+
+
+def local_size() -> int:
+    return current("local_size").local_size
+
+
+def machine_rank() -> int:
+    return current("machine_rank").machine_rank
+
+
+def machine_size() -> int:
+    return current("machine_size").machine_size
+
+
+def world() -> Group:
+    return current("world").world
+
+
+def local_group() -> Group:
+    g = current("local_group").local_group
+    if g is None:  # pragma: no cover - set by _make_hierarchy
+        raise LowbandError("lowband.local_group: no intra-machine group")
+    return g
+
+
+def machine_group() -> Group | None:
+    """Group of the ranks with this rank's local rank on every machine (None on a single machine)."""
+    return current("machine_group").machine_group
