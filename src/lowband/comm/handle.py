@@ -30,12 +30,34 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in msg or "timeout" in msg
 
 
+def _future_of(works: Sequence[Any]) -> Any:
+    """One torch Future completing when all ``works`` do, or None if a work has no future."""
+    try:
+        futs = [w.get_future() for w in works]
+    except RuntimeError:  # "Work::getFuture not implemented" (gloo send/recv)
+        return None
+    return futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
+
+
+class _Works:
+    """The torch works of one op, shared by a handle and the handles ``then`` derives from it.
+
+    A gloo work may be waited on only once (a second ``wait`` on a completed send/recv blocks until
+    its timeout: the completion was consumed), so waiting is serialised here and remembered.
+    """
+
+    def __init__(self, works: Sequence[Any]) -> None:
+        self.works = list(works)
+        self.done = not self.works
+        self.lock = threading.Lock()
+
+
 class Handle(Generic[T]):
     """Result of a nonblocking op. ``wait()`` returns the op's result (raising its error, if any)."""
 
     def __init__(
         self,
-        works: Sequence[Any],
+        works: Sequence[Any] | _Works,
         finish: Callable[[], T],
         *,
         op: str,
@@ -45,7 +67,8 @@ class Handle(Generic[T]):
         tracer: Tracer | None = None,
         event: Event | None = None,
     ) -> None:
-        self._works = list(works)
+        self._w = works if isinstance(works, _Works) else _Works(works)
+        self._works = self._w.works
         self._finish = finish
         self.op = op
         self.name = name
@@ -56,13 +79,19 @@ class Handle(Generic[T]):
         self._error: BaseException | None = None
         self._tracer = tracer
         self._event = event
+        self._traced = False
         if event is not None and tracer is not None:
-            if self._works:
-                futs = [w.get_future() for w in self._works]
-                fut = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
-                fut.then(lambda _f: tracer.end(event))
+            if not self._works:
+                self._trace_end()
             else:
-                tracer.end(event)
+                fut = _future_of(self._works)
+                if fut is not None:  # else the end is recorded when the handle is waited on
+                    fut.then(lambda _f: self._trace_end())
+
+    def _trace_end(self) -> None:
+        if self._event is not None and self._tracer is not None and not self._traced:
+            self._traced = True
+            self._tracer.end(self._event)
 
     def _where(self) -> str:
         label = f" {self.name!r}" if self.name else ""
@@ -70,37 +99,65 @@ class Handle(Generic[T]):
 
     def done(self) -> bool:
         """True once the communication has finished (successfully or not); never blocks."""
-        return self._result is not _UNSET or self._error is not None or all(w.is_completed() for w in self._works)
+        return (
+            self._result is not _UNSET or self._error is not None or self._w.done or all(w.is_completed() for w in self._works)
+        )
 
     def _wait_works(self, timeout: float) -> None:
-        td = datetime.timedelta(seconds=timeout)
-        for w in self._works:
-            try:
-                w.wait(td)
-            except RuntimeError as exc:
-                if _is_timeout(exc):
-                    raise CommTimeoutError(
-                        f"{self._where()}: no completion within {timeout:g} s (a peer may be dead, "
-                        f"slow, or not calling the same op): {exc}"
-                    ) from exc
-                raise CommFailedError(f"{self._where()} failed (a peer may have died): {exc}") from exc
+        w = self._w
+        if w.done:
+            return
+        if not w.lock.acquire(timeout=timeout):
+            raise CommTimeoutError(f"{self._where()}: no completion within {timeout:g} s (another thread is waiting on it)")
+        try:
+            if w.done:
+                return
+            td = datetime.timedelta(seconds=timeout)
+            for work in w.works:
+                try:
+                    work.wait(td)
+                except RuntimeError as exc:
+                    if _is_timeout(exc):
+                        raise CommTimeoutError(
+                            f"{self._where()}: no completion within {timeout:g} s (a peer may be dead, "
+                            f"slow, or not calling the same op): {exc}"
+                        ) from exc
+                    raise CommFailedError(f"{self._where()} failed (a peer may have died): {exc}") from exc
+            w.done = True
+        finally:
+            w.lock.release()
+
+    def _fail(self, exc: LowbandError) -> LowbandError:
+        with self._lock:
+            if self._error is None and self._result is _UNSET:
+                self._error = exc
+            return self._error if self._error is not None else exc
 
     def _complete(self, timeout: float | None) -> T:
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            if self._result is _UNSET:
-                try:
-                    self._wait_works(self._timeout if timeout is None else timeout)
-                    self._result = self._finish()
-                except LowbandError as exc:
-                    self._error = exc
-                    raise
-                except Exception as exc:
-                    self._error = CommFailedError(f"{self._where()} failed: {exc}")
-                    raise self._error from exc
-            result: T = self._result
-            return result
+        if self._error is not None:
+            raise self._error
+        if self._result is _UNSET:
+            # Wait for the works without holding the lock: torch may run a completion callback
+            # (``then``) that needs this lock before it marks the work complete.
+            try:
+                self._wait_works(self._timeout if timeout is None else timeout)
+            except LowbandError as exc:
+                raise self._fail(exc) from exc.__cause__
+            self._trace_end()
+            with self._lock:
+                if self._error is not None:
+                    raise self._error
+                if self._result is _UNSET:
+                    try:
+                        self._result = self._finish()
+                    except LowbandError as exc:
+                        self._error = exc
+                        raise
+                    except Exception as exc:
+                        self._error = CommFailedError(f"{self._where()} failed: {exc}")
+                        raise self._error from exc
+        result: T = self._result
+        return result
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until the op is complete (at most ``timeout`` seconds, default the runtime's timeout)
@@ -109,24 +166,49 @@ class Handle(Generic[T]):
 
     def then(self, fn: Callable[[T], U]) -> Handle[U]:
         """A handle whose result is ``fn(result)``. ``fn`` runs as soon as the op completes, on torch's
-        callback thread (or at once if it is already complete); its exception surfaces in ``wait()``."""
+        callback thread (a watcher thread for ops whose torch works have no future, such as send/recv;
+        at once if it is already complete); its exception surfaces in ``wait()``."""
         child: Handle[U] = Handle(
-            self._works, lambda: fn(self._complete(None)), op=self.op, name=self.name, rank=self.rank,
+            self._w, lambda: fn(self._complete(None)), op=self.op, name=self.name, rank=self.rank,
             timeout=self._timeout,
         )
 
-        def run(_f: Any = None) -> None:
+        def run(fut: Any = None) -> None:
+            # Runs on torch's callback thread once the works' futures are complete. Calling
+            # ``Work.wait`` from here can deadlock, so take the future's outcome instead.
+            if fut is not None:
+                try:
+                    value = fut.value()
+                    inner = value if isinstance(value, list) else []
+                    for f in inner:
+                        if hasattr(f, "value"):
+                            f.value()
+                except Exception as exc:
+                    child._fail(self._fail(CommFailedError(f"{self._where()} failed (a peer may have died): {exc}")))
+                    return
+                self._w.done = True
             try:
                 child._complete(None)
             except BaseException:  # noqa: S110 - kept in child._error, raised by child.wait()
                 pass
 
-        if not self._works or self.done():
+        if not self._works or self._result is not _UNSET or self._error is not None:
             run()
-        else:
-            futs = [w.get_future() for w in self._works]
-            fut = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
+            return child
+        fut = _future_of(self._works)
+        if fut is not None:
             fut.then(run)
+        else:
+            # Works without futures (gloo send/recv): a watcher thread waits (bounded) in their place.
+            def watch() -> None:
+                try:
+                    self._wait_works(self._timeout)
+                except LowbandError as exc:
+                    child._fail(self._fail(exc))
+                    return
+                run()
+
+            threading.Thread(target=watch, name=f"lowband-then-{self.op}", daemon=True).start()
         return child
 
     def __repr__(self) -> str:

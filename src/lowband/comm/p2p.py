@@ -2,9 +2,10 @@
 
 With checking on (the default), a send is preceded by a small header (dtype and shape) that the
 receiver compares with its buffer before the data is received, so a mismatch raises
-:class:`CollectiveMismatchError` naming both ranks instead of aborting the process inside gloo. The
-receiver then waits (bounded) for the header inside ``irecv`` and posts the data receive
-asynchronously. With ``check=False`` both sides are one nonblocking torch op.
+:class:`CollectiveMismatchError` naming both ranks instead of aborting the process inside gloo.
+``irecv`` posts the header receive at once and the data receive when the handle is waited on (or
+``then``-chained), after the header matched; so with checking on, a receive's data moves at ``wait()``.
+With ``check=False`` both sides are one nonblocking torch op each.
 
 ``tag`` values must be in ``[0, 2**30)``; lowband uses ``2*tag`` for data and ``2*tag+1`` for headers.
 """
@@ -75,25 +76,34 @@ def irecv(
     tag = _check_tag("recv", ctx.rank, tag)
     if src == g.rank:
         raise InvalidArgumentError(f"lowband.recv on rank {ctx.rank}: cannot receive from itself (src={src})")
-    if ctx.config.check:
-        head = torch.empty(validate.HEADER + 1, dtype=torch.int64)
-        try:
-            g.pg.recv([head], src, 2 * tag + 1).wait(datetime.timedelta(seconds=ctx.config.timeout))
-        except RuntimeError as exc:
-            cls = CommTimeoutError if "timed out" in str(exc).lower() else CommFailedError
-            raise cls(f"lowband.recv on rank {ctx.rank}: no header from rank {g.ranks[src]} (tag {tag}): {exc}") from exc
-        mine = _header(t)
-        if not torch.equal(head, mine):
-            raise CollectiveMismatchError(
-                f"lowband.recv on rank {ctx.rank}: rank {g.ranks[src]} sent {validate.describe(head.tolist())[5:]} "
-                f"(tag {tag}) but this rank posted a receive of {validate.describe(mine.tolist())[5:]}"
-            )
     buf = contiguous_flat(t)
+    check = ctx.config.check
+    head = torch.empty(validate.HEADER + 1, dtype=torch.int64)
+    timeout = ctx.config.timeout
 
     def issue() -> list[object]:
+        if check:
+            # Only the header is posted now: the data receive is posted once the header matches, so
+            # a mismatched send raises here instead of aborting the process inside gloo.
+            return [g.pg.recv([head], src, 2 * tag + 1)]
         return [g.pg.recv([buf], src, 2 * tag)] if buf.numel() else []
 
     def finish() -> torch.Tensor:
+        if check:
+            mine = _header(t)
+            if not torch.equal(head, mine):
+                raise CollectiveMismatchError(
+                    f"lowband.recv on rank {ctx.rank}: rank {g.ranks[src]} sent {validate.describe(head.tolist())[5:]} "
+                    f"(tag {tag}) but this rank posted a receive of {validate.describe(mine.tolist())[5:]}"
+                )
+            if buf.numel():
+                try:
+                    g.pg.recv([buf], src, 2 * tag).wait(datetime.timedelta(seconds=timeout))
+                except RuntimeError as exc:
+                    cls = CommTimeoutError if "timed out" in str(exc).lower() else CommFailedError
+                    raise cls(
+                        f"lowband.recv on rank {ctx.rank}: receiving from rank {g.ranks[src]} (tag {tag}) failed: {exc}"
+                    ) from exc
         if buf.data_ptr() != t.data_ptr() or not t.is_contiguous():
             t.copy_(buf.view(t.shape))
         return t
