@@ -15,7 +15,9 @@ def ident(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
-def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0, *, integer: bool = True) -> torch.Tensor:
+def data(
+    rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0, *, integer: bool = True
+) -> torch.Tensor:
     """Rank ``rank``'s input. Integer-valued (small, so that sums over 4 ranks are exact even in
     float16/bfloat16) unless ``integer=False`` (random normal floats)."""
     g = torch.Generator().manual_seed(7919 * rank + 104729 * salt + 17)
@@ -24,7 +26,9 @@ def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0, *
     return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
-def all_inputs(n: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0, **kw: bool) -> list[torch.Tensor]:
+def all_inputs(
+    n: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0, **kw: bool
+) -> list[torch.Tensor]:
     return [data(r, shape, dtype, salt, **kw) for r in range(n)]
 
 

@@ -41,7 +41,11 @@ def test_allreduce(n: int, dtype: torch.dtype) -> None:
                 _check(same(h.wait(), want), f"iallreduce {op} {shape}", bad)
                 inp = xs[r].clone()
                 got = lowband.iallreduce(inp, op=op, inplace=True).wait()
-                _check(same(inp, want) and got.data_ptr() == inp.data_ptr(), f"in-place allreduce {op} {shape}", bad)
+                _check(
+                    same(inp, want) and got.data_ptr() == inp.data_ptr(),
+                    f"in-place allreduce {op} {shape}",
+                    bad,
+                )
         return bad
 
     for bad in run_threads(rank_fn, n):
@@ -151,7 +155,11 @@ def test_alltoall_uneven(n: int, dtype: torch.dtype) -> None:
                 got, rs = lowband.alltoall(xs[r], splits[r], name="a2a")
                 _check(same(got, want) and rs == want_splits, f"alltoall {pattern} rest {rest}", bad)
                 got, rs = lowband.ialltoall(xs[r], splits[r], recv_splits=want_splits).wait()
-                _check(same(got, want) and rs == want_splits, f"ialltoall(recv_splits) {pattern} rest {rest}", bad)
+                _check(
+                    same(got, want) and rs == want_splits,
+                    f"ialltoall(recv_splits) {pattern} rest {rest}",
+                    bad,
+                )
                 if pattern == "even":
                     got, _ = lowband.alltoall(xs[r])
                     _check(same(got, want), f"alltoall default splits rest {rest}", bad)

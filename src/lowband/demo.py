@@ -61,7 +61,9 @@ def ring_average(steps: int, numel: int) -> dict[str, Any]:
 
 
 def main(nprocs: int = 4, steps: int = 30, numel: int = 1 << 16) -> int:
-    print(f"lowband demo: {nprocs} local ranks average float64 vectors of {numel} elements over a ring, {steps} rounds")
+    print(
+        f"lowband demo: {nprocs} local ranks average float64 vectors of {numel} elements over a ring, {steps} rounds"
+    )
     t0 = time.perf_counter()
     results = lowband.launch(ring_average, nprocs, (steps, numel))
     wall = time.perf_counter() - t0

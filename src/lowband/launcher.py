@@ -15,7 +15,9 @@ from typing import Any
 from lowband.errors import InvalidArgumentError, LowbandError
 
 
-def _entry(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], init_kwargs: dict[str, Any]) -> Any:
+def _entry(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], init_kwargs: dict[str, Any]
+) -> Any:
     import torch
 
     import lowband
@@ -108,11 +110,13 @@ def run_command(argv: Sequence[str]) -> int:
             break
         out.append(a)
         i += 1
-    if not any(x.startswith("--rdzv-endpoint") or x.startswith("--rdzv_endpoint") or x == "--standalone" for x in out):
+    if not any(
+        x.startswith("--rdzv-endpoint") or x.startswith("--rdzv_endpoint") or x == "--standalone" for x in out
+    ):
         out.insert(0, "--standalone")
     args = get_args_parser().parse_args(out)
     try:
-        torch_run(args)
+        torch_run(args)  # type: ignore[no-untyped-call]
     except Exception as exc:  # ChildFailedError prints its own report
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
 from lowband.comm.trace import Tracer
 from lowband.config import Config
@@ -60,7 +61,9 @@ def current(op: str = "this operation") -> Context:
     """The calling rank's context; raises :class:`NotInitializedError` naming ``op`` if there is none."""
     ctx: Context | None = getattr(_local, "ctx", None) or _global
     if ctx is None:
-        raise NotInitializedError(f"lowband.{op}: lowband is not initialised on this process; call lowband.init() first")
+        raise NotInitializedError(
+            f"lowband.{op}: lowband is not initialised on this process; call lowband.init() first"
+        )
     return ctx
 
 
@@ -114,7 +117,7 @@ def init(
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(be, init_method="env://", timeout=td)
         else:
-            dist.init_process_group(be, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+            dist.init_process_group(be, store=HashStore(), rank=0, world_size=1, timeout=td)
         owns = True
     rank, size = dist.get_rank(), dist.get_world_size()
     ls = _resolve_local_size(size, local_size)
@@ -125,12 +128,18 @@ def init(
     return ctx
 
 
-def init_thread_rank(store: Any, rank: int, size: int, config: Config, local_size: int | None = None) -> Context:
+def init_thread_rank(
+    store: Any, rank: int, size: int, config: Config, local_size: int | None = None
+) -> Context:
     """Make this *thread* a rank of its own gloo world (used by :mod:`lowband.testing`)."""
     ls = _resolve_local_size(size, local_size if local_size is not None else size)
-    pg = dist.ProcessGroupGloo(dist.PrefixStore("lowband/world", store), rank, size, datetime.timedelta(seconds=config.timeout))
+    pg = dist.ProcessGroupGloo(
+        PrefixStore("lowband/world", store), rank, size, datetime.timedelta(seconds=config.timeout)
+    )
     world = Group(pg, tuple(range(size)), rank, "world")
-    ctx = Context(rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), threaded=True, store=store)
+    ctx = Context(
+        rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), threaded=True, store=store
+    )
     _local.ctx = ctx
     _make_hierarchy(ctx)
     return ctx
@@ -158,7 +167,7 @@ def _new_group(ctx: Context, ranks: list[int], name: str) -> Group | None:
     if ctx.threaded:
         if ctx.rank not in ranks:
             return None
-        store = dist.PrefixStore(f"lowband/group{key}", ctx.store)
+        store = PrefixStore(f"lowband/group{key}", ctx.store)
         pg: Any = dist.ProcessGroupGloo(store, ranks.index(ctx.rank), len(ranks), ctx.timeout_td())
     else:
         pg = dist.new_group(ranks=ranks, timeout=ctx.timeout_td())

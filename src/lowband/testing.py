@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
+from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from lowband.config import Config
 from lowband.runtime import init_thread_rank, shutdown
@@ -59,7 +59,7 @@ def run_threads(
     finished after ``timeout`` seconds, their process groups are aborted and the stuck ranks' stacks
     are reported.
     """
-    store = dist.HashStore()
+    store = HashStore()
     cfg = Config(
         timeout=comm_timeout if comm_timeout is not None else timeout,
         check=check,
@@ -83,7 +83,10 @@ def run_threads(
             except BaseException:
                 errors.setdefault(rank, traceback.format_exc())
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"lowband-rank{r}", daemon=True) for r in range(world_size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"lowband-rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
@@ -116,7 +119,13 @@ def free_port() -> int:
 
 
 def _proc_main(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple[Any, ...], init_kwargs: dict[str, Any], q: Any
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    init_kwargs: dict[str, Any],
+    q: Any,
 ) -> None:
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -140,7 +149,12 @@ def _proc_main(
 
 
 def run_processes(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, allow_exit: tuple[int, ...] = (), **init_kwargs: Any
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    allow_exit: tuple[int, ...] = (),
+    **init_kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned processes after ``lowband.init(**init_kwargs)``.
 
@@ -150,7 +164,10 @@ def run_processes(
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_proc_main, args=(fn, r, world_size, port, args, init_kwargs, q), daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_proc_main, args=(fn, r, world_size, port, args, init_kwargs, q), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -164,7 +181,11 @@ def run_processes(
             try:
                 rank, ok, value = q.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results and r not in errors]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in results and r not in errors
+                ]
                 for r in dead:
                     if r in allow_exit:
                         results[r] = None

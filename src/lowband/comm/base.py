@@ -27,7 +27,9 @@ def check_name(op: str, ctx: Context, name: object) -> str | None:
     if name is not None and not isinstance(name, str):
         from lowband.errors import InvalidArgumentError
 
-        raise InvalidArgumentError(f"lowband.{op} on rank {ctx.rank}: name must be a str or None, got {type(name).__name__}")
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {ctx.rank}: name must be a str or None, got {type(name).__name__}"
+        )
     return name
 
 
@@ -45,7 +47,9 @@ def make_handle(
     tracer = ctx.tracer
     ev = tracer.start(op, name, int(sent), int(received), g.name) if tracer.enabled else None
     works = issue()
-    return Handle(works, finish, op=op, name=name, rank=ctx.rank, timeout=ctx.config.timeout, tracer=tracer, event=ev)
+    return Handle(
+        works, finish, op=op, name=name, rank=ctx.rank, timeout=ctx.config.timeout, tracer=tracer, event=ev
+    )
 
 
 def contiguous_flat(t: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ Ranks given to an op (``root``) are ranks within the group.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 
-_TORCH_OPS = {
+_TORCH_OPS: dict[str, Any] = {
     "sum": dist.ReduceOp.SUM,
     "average": dist.ReduceOp.SUM,  # gloo has no AVG: sum, then divide once the data is there
     "min": dist.ReduceOp.MIN,
@@ -75,7 +76,12 @@ def iallreduce(
 
 
 def allreduce(
-    tensor: torch.Tensor, op: str = "average", *, inplace: bool = False, name: str | None = None, group: Group | None = None
+    tensor: torch.Tensor,
+    op: str = "average",
+    *,
+    inplace: bool = False,
+    name: str | None = None,
+    group: Group | None = None,
 ) -> torch.Tensor:
     """Blocking allreduce; see :func:`iallreduce`."""
     return iallreduce(tensor, op, inplace=inplace, name=name, group=group).wait()
@@ -85,7 +91,12 @@ def allreduce(
 
 
 def ibroadcast(
-    tensor: torch.Tensor, root: int = 0, *, inplace: bool = False, name: str | None = None, group: Group | None = None
+    tensor: torch.Tensor,
+    root: int = 0,
+    *,
+    inplace: bool = False,
+    name: str | None = None,
+    group: Group | None = None,
 ) -> Handle[torch.Tensor]:
     """Nonblocking broadcast of the root's ``tensor`` (root is a rank of ``group``)."""
     ctx, g = resolve("broadcast", group)
@@ -118,7 +129,12 @@ def ibroadcast(
 
 
 def broadcast(
-    tensor: torch.Tensor, root: int = 0, *, inplace: bool = False, name: str | None = None, group: Group | None = None
+    tensor: torch.Tensor,
+    root: int = 0,
+    *,
+    inplace: bool = False,
+    name: str | None = None,
+    group: Group | None = None,
 ) -> torch.Tensor:
     """Blocking broadcast; see :func:`ibroadcast`."""
     return ibroadcast(tensor, root, inplace=inplace, name=name, group=group).wait()
@@ -128,7 +144,11 @@ def broadcast(
 
 
 def iallgather(
-    tensor: torch.Tensor, *, sizes: Sequence[int] | None = None, name: str | None = None, group: Group | None = None
+    tensor: torch.Tensor,
+    *,
+    sizes: Sequence[int] | None = None,
+    name: str | None = None,
+    group: Group | None = None,
 ) -> Handle[torch.Tensor]:
     """Nonblocking allgather along dimension 0; first dimensions may differ across ranks.
 
@@ -192,11 +212,17 @@ def iallgather(
         return out
 
     es = t.element_size()
-    return make_handle(ctx, g, "allgather", name, issue, finish, mx * row * es * (p - 1), (p - 1) * mx * row * es)
+    return make_handle(
+        ctx, g, "allgather", name, issue, finish, mx * row * es * (p - 1), (p - 1) * mx * row * es
+    )
 
 
 def allgather(
-    tensor: torch.Tensor, *, sizes: Sequence[int] | None = None, name: str | None = None, group: Group | None = None
+    tensor: torch.Tensor,
+    *,
+    sizes: Sequence[int] | None = None,
+    name: str | None = None,
+    group: Group | None = None,
 ) -> torch.Tensor:
     """Blocking allgather; see :func:`iallgather`."""
     return iallgather(tensor, sizes=sizes, name=name, group=group).wait()
@@ -205,11 +231,15 @@ def allgather(
 # ---------------------------------------------------------------- alltoall
 
 
-def _check_splits(op: str, rank: int, what: str, splits: Sequence[int], p: int, total: int | None) -> list[int]:
+def _check_splits(
+    op: str, rank: int, what: str, splits: Sequence[int], p: int, total: int | None
+) -> list[int]:
     s = [int(x) for x in splits]
     if len(s) != p or any(x < 0 for x in s) or (total is not None and sum(s) != total):
         need = f" summing to {total}" if total is not None else ""
-        raise InvalidArgumentError(f"lowband.{op} on rank {rank}: {what}={s} must be {p} non-negative ints{need}")
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: {what}={s} must be {p} non-negative ints{need}"
+        )
     return s
 
 
@@ -232,7 +262,9 @@ def ialltoall(
     name = check_name("alltoall", ctx, name)
     p = g.size
     if t.dim() == 0:
-        raise InvalidArgumentError(f"lowband.alltoall on rank {ctx.rank}: tensor must have at least one dimension")
+        raise InvalidArgumentError(
+            f"lowband.alltoall on rank {ctx.rank}: tensor must have at least one dimension"
+        )
     n0 = t.shape[0]
     if splits is None:
         if n0 % p:
@@ -242,7 +274,11 @@ def ialltoall(
         send_splits = [n0 // p] * p
     else:
         send_splits = _check_splits("alltoall", ctx.rank, "splits", splits, p, n0)
-    rsplits = None if recv_splits is None else _check_splits("alltoall", ctx.rank, "recv_splits", recv_splits, p, None)
+    rsplits = (
+        None
+        if recv_splits is None
+        else _check_splits("alltoall", ctx.rank, "recv_splits", recv_splits, p, None)
+    )
     if p > 1 and (rsplits is None or ctx.config.check):
         sig = validate.signature("alltoall", t.dtype, t.shape, 0, send_splits, p)
         table = validate.exchange(g, sig, ctx.config.timeout)

@@ -64,7 +64,9 @@ def igrouped_allreduce(
         validate.check_reduce_op("grouped_allreduce", ctx.rank, op, t.dtype)
     threshold = ctx.config.fusion_threshold if fusion_threshold is None else fusion_threshold
     if threshold < 0:
-        raise InvalidArgumentError(f"lowband.grouped_allreduce on rank {ctx.rank}: fusion_threshold must be >= 0")
+        raise InvalidArgumentError(
+            f"lowband.grouped_allreduce on rank {ctx.rank}: fusion_threshold must be >= 0"
+        )
     p = g.size
     if ctx.config.check and p > 1:
         # One signature for the whole list: count, and a hash of every dtype and shape.

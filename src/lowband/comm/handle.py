@@ -30,6 +30,15 @@ def _is_timeout(exc: BaseException) -> bool:
     return "timed out" in msg or "timeout" in msg
 
 
+def comm_error(where: str, exc: BaseException, timeout: float) -> LowbandError:
+    """The lowband error for a failed torch wait: a timeout, or a failure (a peer died)."""
+    if _is_timeout(exc):
+        return CommTimeoutError(
+            f"{where}: no completion within {timeout:g} s (a peer may be dead, slow, or not calling the same op): {exc}"
+        )
+    return CommFailedError(f"{where} failed (a peer may have died): {exc}")
+
+
 def _future_of(works: Sequence[Any]) -> Any:
     """One torch Future completing when all ``works`` do, or None if a work has no future."""
     try:
@@ -76,7 +85,7 @@ class Handle(Generic[T]):
         self._timeout = timeout
         self._lock = threading.Lock()
         self._result: Any = _UNSET
-        self._error: BaseException | None = None
+        self._error: LowbandError | None = None
         self._tracer = tracer
         self._event = event
         self._traced = False
@@ -100,7 +109,10 @@ class Handle(Generic[T]):
     def done(self) -> bool:
         """True once the communication has finished (successfully or not); never blocks."""
         return (
-            self._result is not _UNSET or self._error is not None or self._w.done or all(w.is_completed() for w in self._works)
+            self._result is not _UNSET
+            or self._error is not None
+            or self._w.done
+            or all(w.is_completed() for w in self._works)
         )
 
     def _wait_works(self, timeout: float) -> None:
@@ -108,7 +120,9 @@ class Handle(Generic[T]):
         if w.done:
             return
         if not w.lock.acquire(timeout=timeout):
-            raise CommTimeoutError(f"{self._where()}: no completion within {timeout:g} s (another thread is waiting on it)")
+            raise CommTimeoutError(
+                f"{self._where()}: no completion within {timeout:g} s (another thread is waiting on it)"
+            )
         try:
             if w.done:
                 return
@@ -117,12 +131,7 @@ class Handle(Generic[T]):
                 try:
                     work.wait(td)
                 except RuntimeError as exc:
-                    if _is_timeout(exc):
-                        raise CommTimeoutError(
-                            f"{self._where()}: no completion within {timeout:g} s (a peer may be dead, "
-                            f"slow, or not calling the same op): {exc}"
-                        ) from exc
-                    raise CommFailedError(f"{self._where()} failed (a peer may have died): {exc}") from exc
+                    raise comm_error(self._where(), exc, timeout) from exc
             w.done = True
         finally:
             w.lock.release()
@@ -169,7 +178,11 @@ class Handle(Generic[T]):
         callback thread (a watcher thread for ops whose torch works have no future, such as send/recv;
         at once if it is already complete); its exception surfaces in ``wait()``."""
         child: Handle[U] = Handle(
-            self._w, lambda: fn(self._complete(None)), op=self.op, name=self.name, rank=self.rank,
+            self._w,
+            lambda: fn(self._complete(None)),
+            op=self.op,
+            name=self.name,
+            rank=self.rank,
             timeout=self._timeout,
         )
 
@@ -184,12 +197,14 @@ class Handle(Generic[T]):
                         if hasattr(f, "value"):
                             f.value()
                 except Exception as exc:
-                    child._fail(self._fail(CommFailedError(f"{self._where()} failed (a peer may have died): {exc}")))
+                    child._fail(
+                        self._fail(CommFailedError(f"{self._where()} failed (a peer may have died): {exc}"))
+                    )
                     return
                 self._w.done = True
             try:
                 child._complete(None)
-            except BaseException:  # noqa: S110 - kept in child._error, raised by child.wait()
+            except BaseException:
                 pass
 
         if not self._works or self._result is not _UNSET or self._error is not None:

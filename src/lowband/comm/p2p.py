@@ -18,8 +18,8 @@ import torch
 
 from lowband.comm import validate
 from lowband.comm.base import check_name, checked_tensor, contiguous_flat, make_handle, nbytes, resolve
-from lowband.comm.handle import Handle
-from lowband.errors import CollectiveMismatchError, CommFailedError, CommTimeoutError, InvalidArgumentError
+from lowband.comm.handle import Handle, comm_error
+from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.group import Group
 
 _MAX_TAG = 2**30
@@ -27,7 +27,9 @@ _MAX_TAG = 2**30
 
 def _check_tag(op: str, rank: int, tag: object) -> int:
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < _MAX_TAG:
-        raise InvalidArgumentError(f"lowband.{op} on rank {rank}: tag must be an int in [0, 2**30), got {tag!r}")
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: tag must be an int in [0, 2**30), got {tag!r}"
+        )
     return tag
 
 
@@ -60,7 +62,9 @@ def isend(
     return make_handle(ctx, g, "send", name, issue, lambda: None, nbytes(t), 0)
 
 
-def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, name: str | None = None, group: Group | None = None) -> None:
+def send(
+    tensor: torch.Tensor, dst: int, *, tag: int = 0, name: str | None = None, group: Group | None = None
+) -> None:
     """Blocking send; see :func:`isend`."""
     isend(tensor, dst, tag=tag, name=name, group=group).wait()
 
@@ -93,16 +97,15 @@ def irecv(
             mine = _header(t)
             if not torch.equal(head, mine):
                 raise CollectiveMismatchError(
-                    f"lowband.recv on rank {ctx.rank}: rank {g.ranks[src]} sent {validate.describe(head.tolist())[5:]} "
-                    f"(tag {tag}) but this rank posted a receive of {validate.describe(mine.tolist())[5:]}"
+                    f"lowband.recv on rank {ctx.rank}: rank {g.ranks[src]} sent {validate.describe(head.tolist())[8:]} "
+                    f"(tag {tag}) but this rank posted a receive for {validate.describe(mine.tolist())[8:]}"
                 )
             if buf.numel():
                 try:
                     g.pg.recv([buf], src, 2 * tag).wait(datetime.timedelta(seconds=timeout))
                 except RuntimeError as exc:
-                    cls = CommTimeoutError if "timed out" in str(exc).lower() else CommFailedError
-                    raise cls(
-                        f"lowband.recv on rank {ctx.rank}: receiving from rank {g.ranks[src]} (tag {tag}) failed: {exc}"
+                    raise comm_error(
+                        f"lowband.recv on rank {ctx.rank} (from rank {g.ranks[src]}, tag {tag})", exc, timeout
                     ) from exc
         if buf.data_ptr() != t.data_ptr() or not t.is_contiguous():
             t.copy_(buf.view(t.shape))
@@ -111,6 +114,8 @@ def irecv(
     return make_handle(ctx, g, "recv", name, issue, finish, 0, nbytes(t))
 
 
-def recv(tensor: torch.Tensor, src: int, *, tag: int = 0, name: str | None = None, group: Group | None = None) -> torch.Tensor:
+def recv(
+    tensor: torch.Tensor, src: int, *, tag: int = 0, name: str | None = None, group: Group | None = None
+) -> torch.Tensor:
     """Blocking receive; see :func:`irecv`."""
     return irecv(tensor, src, tag=tag, name=name, group=group).wait()

@@ -42,9 +42,13 @@ F_OP, F_DTYPE, F_NDIM, F_DIM0, F_HASH, F_ARG = 1, 2, 3, 4, 10, 11
 def check_tensor(op: str, rank: int, t: object, what: str = "tensor") -> torch.Tensor:
     """A dense tensor of a dtype lowband can communicate, or a clear error."""
     if not isinstance(t, torch.Tensor):
-        raise InvalidArgumentError(f"lowband.{op} on rank {rank}: {what} must be a torch.Tensor, got {type(t).__name__}")
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: {what} must be a torch.Tensor, got {type(t).__name__}"
+        )
     if t.layout != torch.strided:
-        raise InvalidArgumentError(f"lowband.{op} on rank {rank}: {what} must be a dense tensor, got layout {t.layout}")
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: {what} must be a dense tensor, got layout {t.layout}"
+        )
     if t.dtype not in DTYPE_CODES:
         raise InvalidArgumentError(
             f"lowband.{op} on rank {rank}: {what} has unsupported dtype {t.dtype}; supported: "
@@ -55,14 +59,18 @@ def check_tensor(op: str, rank: int, t: object, what: str = "tensor") -> torch.T
 
 def check_reduce_op(op: str, rank: int, reduce_op: object, dtype: torch.dtype) -> str:
     if reduce_op not in REDUCE_OPS:
-        raise InvalidArgumentError(f"lowband.{op} on rank {rank}: op must be one of {REDUCE_OPS}, got {reduce_op!r}")
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: op must be one of {REDUCE_OPS}, got {reduce_op!r}"
+        )
     assert isinstance(reduce_op, str)
     if reduce_op == "average" and not dtype.is_floating_point:
         raise InvalidArgumentError(
             f"lowband.{op} on rank {rank}: op='average' needs a floating-point tensor, got {dtype}; use op='sum'"
         )
     if dtype == torch.bool and reduce_op in ("sum", "product"):
-        raise InvalidArgumentError(f"lowband.{op} on rank {rank}: op={reduce_op!r} is not defined for bool tensors")
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: op={reduce_op!r} is not defined for bool tensors"
+        )
     return reduce_op
 
 
@@ -70,7 +78,9 @@ def _shape_hash(dims: Sequence[int]) -> int:
     return zlib.crc32(repr(tuple(dims)).encode()) & 0x7FFFFFFF
 
 
-def signature(op: str, dtype: torch.dtype, shape: Sequence[int], arg: int, extras: Sequence[int], group_size: int) -> torch.Tensor:
+def signature(
+    op: str, dtype: torch.dtype, shape: Sequence[int], arg: int, extras: Sequence[int], group_size: int
+) -> torch.Tensor:
     """The int64 signature one rank contributes: HEADER fields then ``group_size`` op-specific ints."""
     sig = torch.zeros(HEADER + group_size, dtype=torch.int64)
     dims = list(shape)
@@ -87,7 +97,9 @@ def describe(row: list[int]) -> str:
     inv = {v: k for k, v in OP_CODES.items()}
     nd = row[F_NDIM]
     dims = [row[F_DIM0 + i] for i in range(min(nd, _MAX_DIMS))]
-    shape = "(" + ", ".join(map(str, dims)) + (", ..." if nd > _MAX_DIMS else "") + ("," if nd == 1 else "") + ")"
+    shape = (
+        "(" + ", ".join(map(str, dims)) + (", ..." if nd > _MAX_DIMS else "") + ("," if nd == 1 else "") + ")"
+    )
     dt = str(CODE_DTYPES.get(row[F_DTYPE], "?")).replace("torch.", "")
     return f"{inv.get(row[F_OP], '?')} of a {dt} tensor of shape {shape}"
 
@@ -96,9 +108,15 @@ def exchange(group: Group, sig: torch.Tensor, timeout: float) -> torch.Tensor:
     """Allgather every rank's signature: a ``[group.size, len(sig)]`` int64 table."""
     import datetime
 
+    from lowband.comm.handle import comm_error
+
     out = torch.empty(group.size * sig.numel(), dtype=torch.int64)
-    work = group.pg._allgather_base(out, sig)
-    work.wait(datetime.timedelta(seconds=timeout))
+    try:
+        work = group.pg._allgather_base(out, sig)
+        work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        op = {v: k for k, v in OP_CODES.items()}.get(int(sig[F_OP]), "op")
+        raise comm_error(f"lowband.{op} on rank {group.world_rank} (argument check)", exc, timeout) from exc
     return out.view(group.size, sig.numel())
 
 
