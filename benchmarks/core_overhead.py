@@ -508,15 +508,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--warmup", type=int, default=None, help="warmup iterations per size and strategy (default 3)"
     )
     ap.add_argument(
-        "--fusion-tensors", type=int, default=1000, help="tensors in the fusion test (default 1000)"
+        "--fusion-tensors", type=int, default=None, help="tensors in the fusion test (default 1000)"
     )
     ap.add_argument(
         "--fusion-size", type=parse_size, default=4096, help="bytes per fusion tensor (default 4KB)"
     )
     ap.add_argument(
-        "--fusion-reps", type=int, default=None, help="repetitions of the fusion test (default 10)"
+        "--fusion-reps", type=int, default=None, help="repetitions of the fusion test (default 5)"
     )
-    ap.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 5 reps, 1 warmup")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run (< 1 min): sizes {QUICK_SIZES}, 5 reps, 1 warmup, fusion of 100 tensors x 2 reps",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output (PNG goes next to it)")
     args = ap.parse_args(argv)
 
@@ -528,9 +532,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes=sizes,
         reps=reps,
         warmup=args.warmup if args.warmup is not None else (1 if args.quick else 3),
-        fusion_tensors=args.fusion_tensors,
+        fusion_tensors=args.fusion_tensors
+        if args.fusion_tensors is not None
+        else (100 if args.quick else 1000),
         fusion_numel=args.fusion_size // 4,
-        fusion_reps=args.fusion_reps if args.fusion_reps is not None else (3 if args.quick else 10),
+        fusion_reps=args.fusion_reps if args.fusion_reps is not None else (2 if args.quick else 5),
         fusion_warmup=1,
     )
     if settings.warmup < 1 or settings.fusion_reps < 1 or settings.fusion_tensors < 1:
@@ -540,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     png = out.with_suffix(".png")
 
     started = datetime.datetime.now(datetime.timezone.utc)
+    load_start = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     cpus = os.cpu_count() or 1
     print(
         f"lowband core overhead benchmark: world sizes {list(world_sizes)}, sizes "
@@ -588,6 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "lowband_version": lowband.__version__,
             "world_sizes": list(world_sizes),
             "sizes_bytes": list(sizes),
+            "loadavg_start": load_start,
             "loadavg_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "settings": dataclasses.asdict(settings),
             "argv": sys.argv[1:] if argv is None else list(argv),

@@ -56,14 +56,14 @@ from lowband.runtime import (
     size,
     world,
 )
-from lowband.tracing import chrome_trace, counters, reset_trace, set_trace
+from lowband.tracing import chrome_trace, counters, gather_counters, reset_trace, set_trace
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveMismatchError", "CommFailedError", "CommTimeoutError", "Group", "Handle",
     "InvalidArgumentError", "LowbandError", "NotInitializedError", "__version__", "allgather",
-    "allreduce", "alltoall", "barrier", "broadcast", "chrome_trace", "counters", "grouped_allreduce",
+    "allreduce", "alltoall", "barrier", "broadcast", "chrome_trace", "counters", "gather_counters", "grouped_allreduce",
     "iallgather", "iallreduce", "ialltoall", "ibarrier", "ibroadcast", "igrouped_allreduce", "init",
     "irecv", "ireduce_scatter", "is_initialized", "isend", "launch", "local_group", "local_rank",
     "local_size", "machine_group", "machine_rank", "machine_size", "new_group", "rank", "recv",

@@ -153,14 +153,17 @@ def run_processes(
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
+    comm_timeout: float | None = None,
     allow_exit: tuple[int, ...] = (),
     **init_kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` spawned processes after ``lowband.init(**init_kwargs)``.
 
-    Returns results in rank order (``None`` for ranks in ``allow_exit``, which may exit without a
-    result, e.g. a rank that kills itself in a failure test).
+    ``timeout`` is the hard limit for the whole run; ``comm_timeout`` (default: ``timeout``) bounds every
+    communication. Returns results in rank order (``None`` for ranks in ``allow_exit``, which may exit
+    without a result, e.g. a rank that kills itself in a failure test).
     """
+    init_kwargs["timeout"] = comm_timeout if comm_timeout is not None else timeout
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()

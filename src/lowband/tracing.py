@@ -8,7 +8,7 @@ from pathlib import Path
 from lowband.comm.trace import merge_chrome_traces
 from lowband.runtime import current
 
-__all__ = ["chrome_trace", "counters", "merge_chrome_traces", "reset_trace", "set_trace"]
+__all__ = ["chrome_trace", "counters", "gather_counters", "merge_chrome_traces", "reset_trace", "set_trace"]
 
 
 def set_trace(enabled: bool = True) -> None:
@@ -28,3 +28,31 @@ def counters() -> dict[str, dict[str, int]]:
 def chrome_trace(path: str | os.PathLike[str]) -> Path:
     """Write this rank's timeline as Chrome trace JSON (open it in https://ui.perfetto.dev)."""
     return current("chrome_trace").tracer.export_chrome_trace(path)
+
+
+def gather_counters() -> dict[int, dict[str, dict[str, int]]]:
+    """Every rank's counters, on every rank: ``{rank: {op: {calls, bytes_sent, bytes_received}}}``.
+
+    A collective over the world (call it on every rank); it is not itself counted.
+    """
+    import json
+
+    import torch
+
+    from lowband.comm.collectives import allgather
+
+    ctx = current("gather_counters")
+    mine = json.dumps(ctx.tracer.counters()).encode()
+    was, ctx.tracer.enabled = ctx.tracer.enabled, False
+    try:
+        raw = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else torch.empty(0, dtype=torch.uint8)
+        sizes = allgather(torch.tensor([raw.numel()]), name="gather_counters.sizes")
+        blob = allgather(raw, sizes=sizes.tolist(), name="gather_counters")
+    finally:
+        ctx.tracer.enabled = was
+    out: dict[int, dict[str, dict[str, int]]] = {}
+    pos = 0
+    for r, n in enumerate(sizes.tolist()):
+        out[r] = json.loads(bytes(blob[pos : pos + n].tolist()).decode())
+        pos += n
+    return out
