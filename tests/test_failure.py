@@ -50,7 +50,9 @@ def _die_while_peer_receives() -> tuple[str, float] | None:
 @pytest.mark.parametrize("n", [2, 3])
 def test_dead_rank_in_collective(n: int) -> None:
     victim = n - 1
-    out = run_processes(_die_then_allreduce, n, victim, timeout=90, allow_exit=(victim,), comm_timeout=COMM_TIMEOUT)
+    out = run_processes(
+        _die_then_allreduce, n, victim, timeout=90, allow_exit=(victim,), comm_timeout=COMM_TIMEOUT
+    )
     for r in range(n):
         if r == victim:
             continue

@@ -74,7 +74,9 @@ def test_then_runs_without_wait(kind: str) -> None:
 def test_then_error_surfaces_in_wait() -> None:
     def rank_fn() -> str:
         h = lowband.iallreduce(torch.ones(2)).then(lambda t: 1 / 0)
-        with pytest.raises(lowband.CommFailedError, match=r"lowband\.allreduce on rank \d failed: division by zero"):
+        with pytest.raises(
+            lowband.CommFailedError, match=r"lowband\.allreduce on rank \d failed: division by zero"
+        ):
             h.wait()
         return "ok"
 
@@ -83,7 +85,12 @@ def test_then_error_surfaces_in_wait() -> None:
 
 def test_chained_then() -> None:
     def rank_fn() -> float:
-        return lowband.iallreduce(torch.ones(2), op="sum").then(lambda t: t * 10).then(lambda t: float(t.sum())).wait()
+        return (
+            lowband.iallreduce(torch.ones(2), op="sum")
+            .then(lambda t: t * 10)
+            .then(lambda t: float(t.sum()))
+            .wait()
+        )
 
     assert run_threads(rank_fn, 3) == [60.0] * 3
 
@@ -97,7 +104,10 @@ def test_handle_wait_timeout() -> None:
             time.sleep(1.5)
         h = lowband.iallreduce(torch.ones(2), op="sum", name="late")
         if r == 0:
-            with pytest.raises(lowband.CommTimeoutError, match=r"lowband\.allreduce 'late' on rank 0: no completion within 0.3 s"):
+            with pytest.raises(
+                lowband.CommTimeoutError,
+                match=r"lowband\.allreduce 'late' on rank 0: no completion within 0.3 s",
+            ):
                 h.wait(timeout=0.3)
             return "timed out"
         return str(h.wait().tolist())

@@ -34,7 +34,9 @@ def test_world_of_one() -> None:
         print("ok")
         """
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
@@ -48,7 +50,14 @@ def test_hierarchy(n: int, local: int) -> None:
         # sum of world ranks inside my machine, and across machines at my local rank
         s_local = int(lowband.allreduce(torch.tensor(r), op="sum", group=lg).item())
         s_cross = int(lowband.allreduce(torch.tensor(r), op="sum", group=mg).item()) if mg is not None else -1
-        return lowband.local_rank(), lowband.local_size(), lowband.machine_rank(), lowband.machine_size(), s_local, s_cross
+        return (
+            lowband.local_rank(),
+            lowband.local_size(),
+            lowband.machine_rank(),
+            lowband.machine_size(),
+            s_local,
+            s_cross,
+        )
 
     out = run_threads(rank_fn, n, local_size=local)
     machines = n // local
@@ -60,13 +69,18 @@ def test_hierarchy(n: int, local: int) -> None:
 
 
 def test_bad_local_size() -> None:
-    with pytest.raises(lowband.testing.RankFailures, match=r"local_size=3 must be >= 1 and divide the world size 4"):
+    with pytest.raises(
+        lowband.testing.RankFailures, match=r"local_size=3 must be >= 1 and divide the world size 4"
+    ):
         run_threads(lambda: None, 4, local_size=3)
 
 
 def test_new_group_bad_ranks() -> None:
     def rank_fn() -> None:
-        with pytest.raises(lowband.InvalidArgumentError, match=r"new_group on rank \d: ranks must be distinct world ranks in \[0, 2\)"):
+        with pytest.raises(
+            lowband.InvalidArgumentError,
+            match=r"new_group on rank \d: ranks must be distinct world ranks in \[0, 2\)",
+        ):
             lowband.new_group([0, 5])
 
     run_threads(rank_fn, 2)
@@ -105,7 +119,16 @@ def test_cli_run_and_torchrun(tmp_path: Path, launcher: str) -> None:
     if launcher == "lowband":
         cmd = [str(BIN / "lowband"), "run", "-n", "3", str(script), str(tmp_path), "--flag", "x"]
     else:
-        cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "3", str(script), str(tmp_path), "--flag", "x"]
+        cmd = [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "3",
+            str(script),
+            str(tmp_path),
+            "--flag",
+            "x",
+        ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [(tmp_path / f"out{r}.txt").read_text() for r in range(3)]
@@ -115,13 +138,18 @@ def test_cli_run_and_torchrun(tmp_path: Path, launcher: str) -> None:
 def test_cli_run_failure_exit_code(tmp_path: Path) -> None:
     script = tmp_path / "bad.py"
     script.write_text("import lowband\nlowband.init()\nraise SystemExit(5 if lowband.rank() == 1 else 0)\n")
-    out = subprocess.run([str(BIN / "lowband"), "run", "-n", "2", str(script)], capture_output=True, text=True, timeout=180)
+    out = subprocess.run(
+        [str(BIN / "lowband"), "run", "-n", "2", str(script)], capture_output=True, text=True, timeout=180
+    )
     assert out.returncode != 0
 
 
 def test_cli_demo_small() -> None:
     out = subprocess.run(
-        [str(BIN / "lowband"), "demo", "-n", "3", "--steps", "5", "--numel", "1000"], capture_output=True, text=True, timeout=180
+        [str(BIN / "lowband"), "demo", "-n", "3", "--steps", "5", "--numel", "1000"],
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "result: OK, every rank matches the single-process oracle" in out.stdout

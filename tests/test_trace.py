@@ -46,7 +46,11 @@ def test_counters_follow_the_byte_model(n: int) -> None:
         root_sent = m * (n - 1) if r == 0 else 0
         assert c["broadcast"] == {"calls": 1, "bytes_sent": root_sent, "bytes_received": 0 if r == 0 else m}
         padded = n * 3 * 4  # largest first dimension n, rows of 3 float32
-        assert c["allgather"] == {"calls": 1, "bytes_sent": padded * (n - 1), "bytes_received": padded * (n - 1)}
+        assert c["allgather"] == {
+            "calls": 1,
+            "bytes_sent": padded * (n - 1),
+            "bytes_received": padded * (n - 1),
+        }
         rs = (n - 1) * m // n
         assert c["reduce_scatter"] == {"calls": 1, "bytes_sent": rs, "bytes_received": rs}
         if n > 1 and r == 0:

@@ -45,7 +45,11 @@ def gather_counters() -> dict[int, dict[str, dict[str, int]]]:
     mine = json.dumps(ctx.tracer.counters()).encode()
     was, ctx.tracer.enabled = ctx.tracer.enabled, False
     try:
-        raw = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else torch.empty(0, dtype=torch.uint8)
+        raw = (
+            torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+            if mine
+            else torch.empty(0, dtype=torch.uint8)
+        )
         sizes = allgather(torch.tensor([raw.numel()]), name="gather_counters.sizes")
         blob = allgather(raw, sizes=sizes.tolist(), name="gather_counters")
     finally:
