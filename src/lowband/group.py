@@ -22,6 +22,9 @@ class Group:
     ranks: tuple[int, ...]
     rank: int
     name: str = "world"
+    #: a second process group over the same ranks for lowband's own small control messages (the
+    #: cross-rank argument check), so they never queue behind large data ops in ``pg``'s workers
+    ctl: Any = None
     _seq: itertools.count[int] = field(default_factory=itertools.count, repr=False)
 
     @property
@@ -31,6 +34,10 @@ class Group:
     @property
     def world_rank(self) -> int:
         return self.ranks[self.rank]
+
+    @property
+    def control_pg(self) -> Any:
+        return self.ctl if self.ctl is not None else self.pg
 
     def next_seq(self) -> int:
         """Sequence number of the next collective on this group (the same on every member)."""

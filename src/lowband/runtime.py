@@ -121,7 +121,8 @@ def init(
         owns = True
     rank, size = dist.get_rank(), dist.get_world_size()
     ls = _resolve_local_size(size, local_size)
-    world = Group(dist.group.WORLD, tuple(range(size)), rank, "world")
+    ctl = dist.new_group(list(range(size)), timeout=td, backend="gloo") if size > 1 else None
+    world = Group(dist.group.WORLD, tuple(range(size)), rank, "world", ctl=ctl)
     ctx = Context(rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), owns_default_pg=owns)
     _global = ctx
     _make_hierarchy(ctx)
@@ -136,7 +137,10 @@ def init_thread_rank(
     pg = dist.ProcessGroupGloo(
         PrefixStore("lowband/world", store), rank, size, datetime.timedelta(seconds=config.timeout)
     )
-    world = Group(pg, tuple(range(size)), rank, "world")
+    ctl = dist.ProcessGroupGloo(
+        PrefixStore("lowband/world-ctl", store), rank, size, datetime.timedelta(seconds=config.timeout)
+    )
+    world = Group(pg, tuple(range(size)), rank, "world", ctl=ctl)
     ctx = Context(
         rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), threaded=True, store=store
     )
@@ -167,13 +171,15 @@ def _new_group(ctx: Context, ranks: list[int], name: str) -> Group | None:
     if ctx.threaded:
         if ctx.rank not in ranks:
             return None
-        store = PrefixStore(f"lowband/group{key}", ctx.store)
-        pg: Any = dist.ProcessGroupGloo(store, ranks.index(ctx.rank), len(ranks), ctx.timeout_td())
+        me, n, td = ranks.index(ctx.rank), len(ranks), ctx.timeout_td()
+        pg: Any = dist.ProcessGroupGloo(PrefixStore(f"lowband/group{key}", ctx.store), me, n, td)
+        ctl: Any = dist.ProcessGroupGloo(PrefixStore(f"lowband/group{key}-ctl", ctx.store), me, n, td)
     else:
         pg = dist.new_group(ranks=ranks, timeout=ctx.timeout_td())
+        ctl = dist.new_group(ranks=ranks, timeout=ctx.timeout_td(), backend="gloo")
         if ctx.rank not in ranks:
             return None
-    g = Group(pg, tuple(ranks), ranks.index(ctx.rank), name)
+    g = Group(pg, tuple(ranks), ranks.index(ctx.rank), name, ctl=ctl)
     ctx._groups.append(g)
     return g
 
@@ -197,10 +203,11 @@ def shutdown() -> None:
     if ctx is not None:
         _local.ctx = None
         for g in [ctx.world, *ctx._groups]:
-            try:
-                g.pg.shutdown()
-            except (RuntimeError, AttributeError):
-                pass
+            for pg in (g.pg, g.ctl):
+                try:
+                    pg.shutdown()
+                except (RuntimeError, AttributeError):
+                    pass
         return
     if _global is None:
         return

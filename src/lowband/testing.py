@@ -101,10 +101,11 @@ def run_threads(
             errors[r] = f"still running after {timeout:g} s (hard timeout); stack:\n{stack}"
         for ctx in pgs.values():
             for g in [ctx.world, *ctx._groups]:
-                try:
-                    g.pg.abort()
-                except (RuntimeError, AttributeError):
-                    pass
+                for pg in (g.pg, g.ctl):
+                    try:
+                        pg.abort()
+                    except (RuntimeError, AttributeError):
+                        pass
         for r in stuck:
             threads[r].join(5.0)
     if errors:

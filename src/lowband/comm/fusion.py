@@ -60,6 +60,7 @@ def igrouped_allreduce(
             f"lowband.grouped_allreduce on rank {ctx.rank}: tensors must be a list of tensors, got {type(tensors).__name__}"
         )
     ts = [checked_tensor("grouped_allreduce", ctx, t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    validate.check_reduce_op("grouped_allreduce", ctx.rank, op, torch.float32)  # the op name, even for []
     for t in ts:
         validate.check_reduce_op("grouped_allreduce", ctx.rank, op, t.dtype)
     threshold = ctx.config.fusion_threshold if fusion_threshold is None else fusion_threshold

@@ -112,7 +112,7 @@ def exchange(group: Group, sig: torch.Tensor, timeout: float) -> torch.Tensor:
 
     out = torch.empty(group.size * sig.numel(), dtype=torch.int64)
     try:
-        work = group.pg._allgather_base(out, sig)
+        work = group.control_pg._allgather_base(out, sig)
         work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
         op = {v: k for k, v in OP_CODES.items()}.get(int(sig[F_OP]), "op")
