@@ -272,3 +272,18 @@ def test_harness_hard_timeout() -> None:
     with pytest.raises(RankFailures, match=r"still running after 1 s \(hard timeout\)"):
         run_threads(rank_fn, 2, timeout=1, comm_timeout=60)
     assert time.monotonic() - t0 < 15
+
+
+def test_set_check_toggle() -> None:
+    """Checks can be turned off (same call on every rank) and back on."""
+
+    def rank_fn() -> float:
+        lowband.set_check(False)
+        assert not lowband.runtime.current().config.check
+        s = float(lowband.allreduce(torch.ones(3), op="sum")[0])
+        lowband.set_check(True)
+        with pytest.raises(lowband.CollectiveMismatchError):
+            lowband.allreduce(torch.ones(lowband.rank() + 1))
+        return s
+
+    assert run_threads(rank_fn, 2) == [2.0, 2.0]

@@ -52,6 +52,7 @@ from lowband.runtime import (
     machine_size,
     new_group,
     rank,
+    set_check,
     shutdown,
     size,
     world,
@@ -67,5 +68,5 @@ __all__ = [
     "iallgather", "iallreduce", "ialltoall", "ibarrier", "ibroadcast", "igrouped_allreduce", "init",
     "irecv", "ireduce_scatter", "is_initialized", "isend", "launch", "local_group", "local_rank",
     "local_size", "machine_group", "machine_rank", "machine_size", "new_group", "rank", "recv",
-    "reduce_scatter", "reset_trace", "send", "set_trace", "shutdown", "size", "wait_all", "world",
+    "reduce_scatter", "reset_trace", "send", "set_check", "set_trace", "shutdown", "size", "wait_all", "world",
 ]  # fmt: skip

@@ -216,6 +216,15 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def set_check(enabled: bool) -> None:
+    """Turn the cross-rank argument check on or off for this rank's later ops. Every rank must make the
+    same call at the same point of the program (the check is itself a collective)."""
+    import dataclasses
+
+    ctx = current("set_check")
+    ctx.config = dataclasses.replace(ctx.config, check=bool(enabled))
+
+
 def world_group(group: Group | None, op: str) -> tuple[Context, Group]:
     ctx = current(op)
     if group is None:
