@@ -1,0 +1,24 @@
+"""Training strategies: one protocol (:class:`Strategy`), a registry, and PyTorch's own baselines.
+
+Registered here: ``ddp`` (S-SGD with torch DDP), ``powersgd`` (DDP + PowerSGD hook), ``localsgd``
+(FLSGD: torch's PostLocalSGDOptimizer + PeriodicModelAverager). Each paper's system registers itself
+from its own package the same way.
+"""
+
+from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
+from lowband.strategies import localsgd as _localsgd  # noqa: F401  (registers "localsgd")
+from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.ddp import DDPStrategy, PowerSGDStrategy
+from lowband.strategies.localsgd import LocalSGDStrategy
+from lowband.strategies.registry import (
+    describe_strategies,
+    make_strategy,
+    parse_strategy_spec,
+    register_strategy,
+    strategy_names,
+)
+
+__all__ = [
+    "DDPStrategy", "LocalSGDStrategy", "LossFn", "OptimizerFactory", "PowerSGDStrategy", "Strategy",
+    "describe_strategies", "make_strategy", "parse_strategy_spec", "register_strategy", "strategy_names",
+]  # fmt: skip

@@ -1,0 +1,49 @@
+"""Local SGD with full synchronization every H steps (FLSGD), as PyTorch ships it.
+
+torch's ``PeriodicModelAverager`` averages all parameters (one flattened allreduce) after every
+``period``-th optimizer step, and ``PostLocalSGDOptimizer`` runs it right after the wrapped optimizer's
+``step()``. Between averagings each rank trains on its own shard only: no communication at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer
+
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.registry import register_strategy
+
+
+@register_strategy("localsgd", "FLSGD: local SGD, all parameters averaged every H steps (torch PostLocalSGD)")
+class LocalSGDStrategy(Strategy):
+    name = "localsgd"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        group: Group,
+        *,
+        period: int = 5,
+    ) -> None:
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise InvalidArgumentError(f"LocalSGDStrategy: period must be an int >= 1, got {period!r}")
+        self.period = period
+        # no warm-up: torch's warm-up expects DDP's post_localSGD_hook to allreduce meanwhile
+        self.averager = PeriodicModelAverager(period=period, warmup_steps=0, process_group=group.pg)
+        inner = make_optimizer(model.parameters())
+        # PostLocalSGDOptimizer.step() = inner.step() + averager.average_parameters(params)
+        super().__init__(model, PostLocalSGDOptimizer(inner, self.averager), group)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"H": self.period}
+
+    def in_sync(self) -> bool:
+        # torch's averager counts its calls from 0 and averages when count % period == 0,
+        # i.e. after steps 1, 1 + H, 1 + 2H, ...
+        return self.averager.step >= 1 and (self.averager.step - 1) % self.period == 0
