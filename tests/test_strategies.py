@@ -56,7 +56,8 @@ def _train_all() -> dict[str, object]:
         s = make_strategy(name, m, _opt, **opts)
         in_sync = []
         for k in range(STEPS):
-            s.train_step(lambda mod, b=_batch(r, k): _loss(mod, b))
+            batch = _batch(r, k)
+            s.train_step(lambda mod, b=batch: _loss(mod, b))
             in_sync.append(s.in_sync())
         # plain lists: tensors returned from a child process would be shared through its memory
         out[name] = {

@@ -1,4 +1,4 @@
-"""The ``lowband`` command: ``lowband run`` (launch a script on N ranks) and ``lowband demo``."""
+"""The ``lowband`` command: run, bench, demo, testbed, version."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from collections.abc import Sequence
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lowband.bench.cli import add_parsers
+    from lowband.testbed.cli import add_parser as add_testbed
+
     p = argparse.ArgumentParser(prog="lowband", description="Training PyTorch models over slow links.")
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser(
@@ -17,10 +20,8 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     run.add_argument("rest", nargs=argparse.REMAINDER)
-    demo = sub.add_parser("demo", help="the main job: a real small multi-rank run, checked against an oracle")
-    demo.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (default 4)")
-    demo.add_argument("--steps", type=int, default=30, help="rounds of ring averaging (default 30)")
-    demo.add_argument("--numel", type=int, default=1 << 16, help="elements per rank (default 65536)")
+    add_parsers(sub)
+    add_testbed(sub)
     sub.add_parser("version", help="print the version")
     return p
 
@@ -36,16 +37,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_command(rest)
     ns = _parser().parse_args(args)
-    if ns.cmd == "demo":
-        from lowband.demo import main as demo_main
-
-        return demo_main(ns.nprocs, ns.steps, ns.numel)
     if ns.cmd == "version":
         import lowband
 
         print(lowband.__version__)
         return 0
-    return 2
+    from lowband.bench.cli import main_bench, main_demo
+    from lowband.testbed.cli import main as testbed_main
+
+    commands = {"bench": main_bench, "demo": main_demo, "testbed": testbed_main}
+    return commands[ns.cmd](ns)
 
 
 if __name__ == "__main__":

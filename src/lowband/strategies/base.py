@@ -16,7 +16,6 @@ averagers, optimizer step hooks, post-accumulate-grad hooks); none re-implements
 
 from __future__ import annotations
 
-import abc
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,7 +29,7 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module], torch.Tensor]
 
 
-class Strategy(abc.ABC):
+class Strategy:
     """A data-parallel training strategy on one rank.
 
     Subclasses set :attr:`name`, build their wrapped module and optimizer in ``__init__`` and

@@ -1,4 +1,6 @@
-"""``lowband demo`` until the testbed lands: a real small job on 4 local ranks.
+"""Example: gossip averaging over a ring with nonblocking send/recv, checked against an oracle.
+
+Run it with ``python examples/ring_average.py`` (4 local ranks).
 
 Each rank starts from its own seeded tensor and repeatedly averages with its two ring neighbours
 (nonblocking send/recv), i.e. ``x <- W x`` with the ring's doubly stochastic mixing matrix ``W``. Every
@@ -62,7 +64,7 @@ def ring_average(steps: int, numel: int) -> dict[str, Any]:
 
 def main(nprocs: int = 4, steps: int = 30, numel: int = 1 << 16) -> int:
     print(
-        f"lowband demo: {nprocs} local ranks average float64 vectors of {numel} elements over a ring, {steps} rounds"
+        f"ring averaging: {nprocs} local ranks average float64 vectors of {numel} elements over a ring, {steps} rounds"
     )
     t0 = time.perf_counter()
     results = lowband.launch(ring_average, nprocs, (steps, numel))
@@ -78,3 +80,7 @@ def main(nprocs: int = 4, steps: int = 30, numel: int = 1 << 16) -> int:
     print(f"  communication rounds took {secs:.2f} s; whole job (incl. start-up) {wall:.1f} s")
     print("  result: " + ("OK, every rank matches the single-process oracle" if ok else "FAILED"))
     return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

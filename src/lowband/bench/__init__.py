@@ -1,0 +1,1 @@
+"""Benchmark runner, reports and reference workloads (``lowband bench``, ``lowband demo``)."""

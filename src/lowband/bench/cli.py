@@ -1,0 +1,138 @@
+"""``lowband bench`` and ``lowband demo`` argument parsing."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from lowband.bench.config import BenchConfig
+
+
+def _rate(v: str) -> str | None:
+    return None if v.lower() in ("none", "unshaped", "0") else v
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    b = sub.add_parser(
+        "bench",
+        help="train several strategies side by side on emulated slow links and compare them",
+        description="Strategies alternate in rounds inside one set of rank processes; results as JSON, "
+        "PNG plots and a Markdown table.",
+    )
+    _common(b, BenchConfig())
+    b.add_argument(
+        "--sweep-rates", default=None, help="comma list of link rates for a sweep, e.g. 10mbit,100mbit,1gbit"
+    )
+    b.add_argument(
+        "--sweep-world-sizes", default=None, help="comma list of world sizes for a sweep, e.g. 2,3,4"
+    )
+    b.add_argument("--list", action="store_true", help="list workloads and strategies and exit")
+    d = sub.add_parser("demo", help="the main job: every strategy on 4 ranks over 100 Mbit/s links (~3 min)")
+    _common(d, demo_config())
+
+
+def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
+    p.add_argument("-w", "--workload", default=dflt.workload, help=f"workload (default {dflt.workload})")
+    p.add_argument(
+        "-s", "--strategies", default="+".join(dflt.strategies) if dflt.strategies else None,
+        help="strategies separated by '+', each name[:key=value,...] (default: "
+        + ("every registered strategy" if not dflt.strategies else "+".join(dflt.strategies)) + ")",
+    )  # fmt: skip
+    p.add_argument("-n", "--world-size", type=int, default=dflt.world_size)
+    p.add_argument(
+        "--rate", type=_rate, default=dflt.rate, help="per-rank link rate, e.g. 100mbit; 'none' = unshaped"
+    )
+    p.add_argument("--rates", default=None, help="heterogeneous: one rate per machine, comma separated")
+    p.add_argument(
+        "--ranks-per-machine", type=int, default=1, help="two-tier layout: ranks sharing a fast machine link"
+    )
+    p.add_argument("--intra-rate", type=_rate, default=None, help="rate inside a machine (two-tier)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per rank (NFQUEUE delayer)")
+    p.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
+    p.add_argument("--rounds", type=int, default=dflt.rounds)
+    p.add_argument("--steps-per-round", type=int, default=dflt.steps_per_round)
+    p.add_argument("--warmup-rounds", type=int, default=dflt.warmup_rounds)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--target-loss", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="output folder (default results/<command>-<time>)")
+
+
+def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
+    from lowband.strategies import strategy_names
+
+    strategies = ns.strategies.split("+") if ns.strategies else strategy_names()
+    out = ns.out or str(Path("results") / f"{cmd}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return BenchConfig(
+        workload=ns.workload,
+        strategies=strategies,
+        world_size=ns.world_size,
+        rate=ns.rate,
+        rates=ns.rates.split(",") if ns.rates else None,
+        ranks_per_machine=ns.ranks_per_machine,
+        intra_rate=ns.intra_rate,
+        delay_ms=ns.delay_ms,
+        mode=ns.mode,
+        rounds=ns.rounds,
+        steps_per_round=ns.steps_per_round,
+        warmup_rounds=ns.warmup_rounds,
+        batch_size=ns.batch_size,
+        lr=ns.lr,
+        target_loss=ns.target_loss,
+        seed=ns.seed,
+        out_dir=out,
+    )
+
+
+def demo_config() -> BenchConfig:
+    """The demo: the image workload, 4 ranks on 100 Mbit/s, every registered strategy."""
+    return BenchConfig(
+        workload="fmnist-cnn", strategies=[], world_size=4, rate="100mbit", rounds=4, steps_per_round=20
+    )
+
+
+def _print_results(res: dict[str, object]) -> None:
+    print()
+    print(res["markdown"])
+    out = Path(str(res["config"]["out_dir"]))  # type: ignore[index]
+    print(f"results: {out / 'results.json'}  table: {out / 'results.md'}")
+    print("plots:   " + "  ".join(str(p) for p in res["plots"]))  # type: ignore[attr-defined]
+
+
+def main_bench(ns: argparse.Namespace) -> int:
+    from lowband.bench.runner import run_bench, run_sweep
+    from lowband.bench.workloads import workload_names
+    from lowband.strategies import describe_strategies
+
+    if ns.list:
+        print("workloads: " + ", ".join(workload_names()))
+        print("strategies:")
+        for k, v in describe_strategies().items():
+            print(f"  {k:12s} {v}")
+        return 0
+    cfg = config_from_args(ns, "bench")
+    if ns.sweep_rates or ns.sweep_world_sizes:
+        rates = [_rate(r) for r in ns.sweep_rates.split(",")] if ns.sweep_rates else [cfg.rate]
+        sizes = (
+            [int(s) for s in ns.sweep_world_sizes.split(",")] if ns.sweep_world_sizes else [cfg.world_size]
+        )
+        res = run_sweep(cfg, rates, sizes)
+        print(res["table"])
+        print(f"sweep results: {Path(cfg.out_dir) / 'sweep.json'}")
+        return 0
+    _print_results(run_bench(cfg))
+    return 0
+
+
+def main_demo(ns: argparse.Namespace) -> int:
+    from lowband.bench.runner import run_bench
+
+    cfg = config_from_args(ns, "demo")
+    print(
+        f"lowband demo: {cfg.workload} on {cfg.world_size} ranks, links {cfg.rate or 'unshaped'} per rank; "
+        f"strategies: {', '.join(cfg.strategies)}; {cfg.rounds} rounds x {cfg.steps_per_round} steps each, alternated"
+    )
+    _print_results(run_bench(cfg))
+    return 0

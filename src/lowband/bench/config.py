@@ -1,0 +1,92 @@
+"""What one ``lowband bench`` run does: a workload, strategies, a link setting, and the schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowband.errors import InvalidArgumentError
+
+DEFAULT_STRATEGIES = ("ddp", "powersgd", "localsgd:period=5")
+
+
+@dataclass
+class BenchConfig:
+    workload: str = "fmnist-cnn"
+    strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
+    world_size: int = 4
+    #: per-rank link rate ("100mbit"); None = unshaped. ``rates`` (one per machine) overrides it.
+    rate: str | None = "100mbit"
+    rates: list[str] | None = None
+    ranks_per_machine: int = 1
+    intra_rate: str | None = None
+    delay_ms: float = 0.0
+    #: "auto" (network namespaces when root, else loopback), "netns" or "loopback"
+    mode: str = "auto"
+    batch_size: int | None = None
+    lr: float | None = None
+    rounds: int = 4
+    steps_per_round: int = 20
+    #: the first ``warmup_rounds`` rounds train but are left out of the timing statistics
+    warmup_rounds: int = 1
+    eval_items: int = 500
+    seed: int = 0
+    target_loss: float | None = None
+    #: strategy (label or name) the speed-up ratios are computed against; default: every baseline present
+    baselines: list[str] = field(default_factory=lambda: ["ddp", "localsgd"])
+    threads: int = 1
+    comm_timeout: float = 120.0
+    out_dir: str = "results/bench"
+
+    def validate(self) -> None:
+        def bad(what: str) -> InvalidArgumentError:
+            return InvalidArgumentError(f"lowband bench: {what}")
+
+        for name in ("world_size", "rounds", "steps_per_round", "threads", "ranks_per_machine"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise bad(f"{name} must be an int >= 1, got {v!r}")
+        if not 0 <= self.warmup_rounds < self.rounds:
+            raise bad(f"warmup_rounds must be in [0, rounds) = [0, {self.rounds}), got {self.warmup_rounds}")
+        if not self.strategies:
+            raise bad("give at least one strategy")
+        from lowband.strategies import parse_strategy_spec, strategy_names
+
+        for spec in self.strategies:
+            if parse_strategy_spec(spec)[0] not in strategy_names():
+                raise bad(f"unknown strategy {spec!r}; available: {', '.join(strategy_names())}")
+        if len(set(self.strategies)) != len(self.strategies):
+            raise bad(f"strategies repeat: {self.strategies}")
+        if self.world_size % self.ranks_per_machine:
+            raise bad(f"ranks_per_machine={self.ranks_per_machine} must divide world_size={self.world_size}")
+        if self.rates is not None and len(self.rates) != self.world_size // self.ranks_per_machine:
+            raise bad(
+                f"rates has {len(self.rates)} entries; need one per machine ({self.world_size // self.ranks_per_machine})"
+            )
+        if self.mode not in ("auto", "netns", "loopback"):
+            raise bad(f"mode must be auto, netns or loopback, got {self.mode!r}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise bad(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.comm_timeout <= 0 or self.delay_ms < 0:
+            raise bad("comm_timeout must be > 0 and delay_ms >= 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> BenchConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidArgumentError(f"bench config: unknown keys {unknown}")
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> BenchConfig:
+        return cls.from_json(json.loads(path.read_text()))

@@ -1,0 +1,140 @@
+"""From a bench run's raw per-step records to the figures reported (pure: no communication, no I/O).
+
+Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds``):
+
+- iteration time: the slowest rank's step time. A round's mean is one sample (periodic strategies
+  communicate in some steps only, so a per-step median would hide their synchronizations);
+  reported as the median, min and max over rounds, and the overall mean.
+- throughput: items (samples or tokens, all ranks) per second of training.
+- bytes per rank per step: what crossed the rank's link according to the kernel's interface counters
+  (IP packets, headers included); on unshaped loopback the counters of ``lo`` are shared by all ranks
+  and are divided by the world size.
+- computation time: the iteration time of the same training step with no communication at all.
+- non-overlapped communication: iteration time - computation time (>= 0).
+- physical bound: max(computation time, max(bytes sent, bytes received) * 8 / link rate);
+  efficiency = bound / iteration time (<= 1 up to noise).
+- time to target loss: training time until the moving average of the training loss (window =
+  ``smooth`` steps) first reaches the target; the default target is the worst of the strategies' final
+  moving averages, so that every strategy reaches it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+COMPUTE = "compute-only"
+
+
+def _timed(run: dict[str, Any], warmup_rounds: int) -> list[dict[str, Any]]:
+    segs = [s for s in run["segments"] if s["round"] >= warmup_rounds]
+    return segs or run["segments"]
+
+
+def round_means(run: dict[str, Any], warmup_rounds: int) -> list[float]:
+    return [statistics.fmean(s["step_times"]) for s in _timed(run, warmup_rounds)]
+
+
+def loss_curve(run: dict[str, Any]) -> list[tuple[int, float, float]]:
+    """(step, training time in s, mean training loss over ranks) for every step."""
+    out: list[tuple[int, float, float]] = []
+    for seg in run["segments"]:
+        wall = seg["wall_end"] - sum(seg["step_times"])
+        for k, (dt, loss) in enumerate(zip(seg["step_times"], seg["loss"])):
+            wall += dt
+            out.append((seg["first_step"] + k + 1, wall, loss))
+    return out
+
+
+def smoothed(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def time_to_target(run: dict[str, Any], target: float, window: int) -> float | None:
+    curve = loss_curve(run)
+    for (_, wall, _), s in zip(curve, smoothed([c[2] for c in curve], window)):
+        if s <= target:
+            return wall
+    return None
+
+
+def summarize(
+    raw: dict[str, Any],
+    *,
+    warmup_rounds: int,
+    link_rate: float | None,
+    bytes_sharing: int,
+    baselines: list[str],
+    target_loss: float | None = None,
+    smooth: int = 10,
+) -> dict[str, Any]:
+    """Every reported figure for every strategy of one run (see the module docstring)."""
+    runs = raw["runs"]
+    compute = statistics.median(round_means(runs[COMPUTE], warmup_rounds)) if COMPUTE in runs else None
+    keys = [k for k in runs if k != COMPUTE]
+    finals = {k: smoothed([c[2] for c in loss_curve(runs[k])], smooth)[-1] for k in keys}
+    target = target_loss if target_loss is not None else max(finals.values())
+    rows: dict[str, dict[str, Any]] = {}
+    for k in keys:
+        run = runs[k]
+        segs = _timed(run, warmup_rounds)
+        means = round_means(run, warmup_rounds)
+        steps = sum(len(s["step_times"]) for s in segs)
+        seconds = sum(sum(s["step_times"]) for s in segs)
+        per_rank_tx = [
+            sum(s["tx_bytes"][r] for s in segs) / steps / bytes_sharing for r in range(raw["world_size"])
+        ]
+        per_rank_rx = [
+            sum(s["rx_bytes"][r] for s in segs) / steps / bytes_sharing for r in range(raw["world_size"])
+        ]
+        it = statistics.median(means)
+        wire = max(max(per_rank_tx), max(per_rank_rx))
+        bound = max(compute or 0.0, wire * 8 / link_rate if link_rate else 0.0)
+        last_eval = run["evals"][-1] if run["evals"] else {}
+        rows[k] = {
+            "label": run["label"],
+            "iter_time_median": it,
+            "iter_time_min": min(means),
+            "iter_time_max": max(means),
+            "iter_time_mean": seconds / steps,
+            "throughput": sum(s["items"] for s in segs) / seconds,
+            "bytes_sent_per_rank_step": statistics.fmean(per_rank_tx),
+            "bytes_received_per_rank_step": statistics.fmean(per_rank_rx),
+            "compute_time": compute,
+            "comm_not_overlapped": None if compute is None else max(0.0, it - compute),
+            "bound": bound if bound > 0 else None,
+            "efficiency": bound / it if bound > 0 else None,
+            "final_train_loss": finals[k],
+            "eval_loss": last_eval.get("loss"),
+            "eval_accuracy": last_eval.get("accuracy"),
+            "time_to_target": time_to_target(run, target, smooth),
+            "train_time": run["segments"][-1]["wall_end"],
+            "steps": run["segments"][-1]["first_step"] + len(run["segments"][-1]["step_times"]),
+            "in_sync": run["in_sync"],
+            "replica_spread": run["replica_spread"],
+        }
+    for k, row in rows.items():
+        row["speedup_vs"] = {}
+        row["time_to_target_ratio_vs"] = {}
+        for b in baselines:
+            bk = _find(rows, b)
+            if bk is None or bk == k:
+                continue
+            row["speedup_vs"][bk] = rows[bk]["iter_time_median"] / row["iter_time_median"]
+            t, tb = row["time_to_target"], rows[bk]["time_to_target"]
+            row["time_to_target_ratio_vs"][bk] = tb / t if t and tb else None
+    return {"target_loss": target, "compute_time": compute, "strategies": rows}
+
+
+def _find(rows: dict[str, Any], name: str) -> str | None:
+    """A baseline given by key ("localsgd:period=5") or by strategy name ("localsgd")."""
+    if name in rows:
+        return name
+    matches = [k for k in rows if k.split(":")[0] == name]
+    return matches[0] if matches else None

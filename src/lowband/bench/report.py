@@ -1,0 +1,150 @@
+"""Reports of a bench run: the Markdown table printed at the end, and the PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lowband.bench.metrics import COMPUTE, loss_curve, smoothed
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _num(v: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _bytes(v: float) -> str:
+    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
+        if v >= scale:
+            return f"{v / scale:.2f} {unit}"
+    return f"{v:.0f} B"
+
+
+def markdown_table(summary: dict[str, Any], unit: str) -> str:
+    rows = summary["strategies"]
+    baselines = sorted({b for r in rows.values() for b in r["speedup_vs"]})
+    head = [
+        "strategy", "iter ms median [min-max]", f"{unit}/s", "sent/rank/step", "compute ms",
+        "comm not overlapped ms", "bound ms", "efficiency", "final loss", "eval acc",
+        f"time to loss {summary['target_loss']:.3f} (s)",
+    ] + [f"speed-up vs {b}" for b in baselines]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows.values():
+        acc = r["eval_accuracy"]
+        cells = [
+            r["label"],
+            f"{_ms(r['iter_time_median'])} [{_ms(r['iter_time_min'])}-{_ms(r['iter_time_max'])}]",
+            f"{r['throughput']:.0f}",
+            _bytes(r["bytes_sent_per_rank_step"]),
+            _ms(r["compute_time"]),
+            _ms(r["comm_not_overlapped"]),
+            _ms(r["bound"]),
+            _num(r["efficiency"], "{:.2f}"),
+            _num(r["final_train_loss"]),
+            "-" if acc is None else f"{acc * 100:.1f}%",
+            _num(r["time_to_target"], "{:.1f}"),
+        ] + [_num(r["speedup_vs"].get(b), "{:.2f}x") for b in baselines]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def sweep_table(points: list[dict[str, Any]], baseline: str) -> str:
+    """Speed-up over ``baseline`` per strategy (rows) and setting (columns), like the papers' Table 1."""
+    settings = [p["setting"] for p in points]
+    keys: list[str] = []
+    for p in points:
+        keys += [k for k in p["summary"]["strategies"] if k not in keys]
+    lines = [
+        f"| strategy (speed-up vs {baseline}) | " + " | ".join(settings) + " |",
+        "|" + "---|" * (len(settings) + 1),
+    ]
+    for k in keys:
+        cells = []
+        for p in points:
+            rows = p["summary"]["strategies"]
+            base = next((b for b in rows if b.split(":")[0] == baseline or b == baseline), None)
+            if k not in rows or base is None:
+                cells.append("-")
+            else:
+                cells.append(f"{rows[base]['iter_time_median'] / rows[k]['iter_time_median']:.2f}x")
+        label = next(
+            p["summary"]["strategies"][k]["label"] for p in points if k in p["summary"]["strategies"]
+        )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_all(
+    raw: dict[str, Any], summary: dict[str, Any], out: Path, title: str, smooth: int = 10
+) -> list[Path]:
+    """loss.png (training loss vs time and vs steps), iteration.png (bars), timeline.png (per rank)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    runs = {k: v for k, v in raw["runs"].items() if k != COMPUTE}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for run in runs.values():
+        curve = loss_curve(run)
+        sm = smoothed([c[2] for c in curve], smooth)
+        ax1.plot([c[1] for c in curve], sm, label=run["label"])
+        ax2.plot([c[0] for c in curve], sm, label=run["label"])
+    for ax, xl in ((ax1, "training time (s)"), (ax2, "step")):
+        ax.axhline(summary["target_loss"], color="grey", ls=":", lw=1)
+        ax.set_xlabel(xl)
+        ax.set_ylabel(f"training loss (moving average of {smooth})")
+        ax.grid(alpha=0.3)
+    ax1.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    paths.append(out / "loss.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    rows = summary["strategies"]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
+    labels = [r["label"] for r in rows.values()]
+    med = [r["iter_time_median"] * 1e3 for r in rows.values()]
+    lo = [m - r["iter_time_min"] * 1e3 for m, r in zip(med, rows.values())]
+    hi = [r["iter_time_max"] * 1e3 - m for m, r in zip(med, rows.values())]
+    ax.bar(labels, med, yerr=[lo, hi], capsize=4, color="tab:blue", label="iteration (median, min-max)")
+    if summary["compute_time"] is not None:
+        ax.axhline(summary["compute_time"] * 1e3, color="tab:green", ls="--", label="computation only")
+    bounds = [(r["bound"] or 0) * 1e3 for r in rows.values()]
+    ax.scatter(labels, bounds, color="tab:red", marker="_", s=900, zorder=3, label="physical bound")
+    ax.set_ylabel("ms per iteration")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "iteration.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    n = raw["world_size"]
+    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * n))
+    colors = plt.get_cmap("tab10")
+    allruns = list(raw["runs"].items())
+    last_round = max(s["round"] for _, run in allruns for s in run["segments"])
+    for i, (_, run) in enumerate(allruns):
+        for seg in run["segments"]:
+            if seg["round"] != last_round:
+                continue
+            for r in range(n):
+                spans = [(s, e - s) for s, e in zip(seg["starts"][r], seg["ends"][r])]
+                ax.broken_barh(
+                    spans, (r - 0.4, 0.8), color=colors(i % 10), label=run["label"] if r == 0 else None
+                )
+    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.set_xlabel("time (s) - each bar is one training step; gaps are barriers and evaluation")
+    ax.set_title(f"per-rank timeline of the last round - {title}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    fig.tight_layout()
+    paths.append(out / "timeline.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

@@ -1,0 +1,152 @@
+"""``lowband bench``: start the ranks in the testbed, train every strategy side by side, report.
+
+The runner (this process, in the root network namespace) brings up the emulated links, writes the
+config, starts one worker per rank inside its namespace (:mod:`lowband.bench.worker`), shows rank 0's
+progress, and then turns the raw records into ``results.json``, PNG plots and a Markdown table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+from tqdm import tqdm
+
+import lowband
+from lowband.bench.config import BenchConfig
+from lowband.bench.metrics import summarize
+from lowband.bench.report import markdown_table, plot_all, sweep_table
+from lowband.errors import LowbandError
+from lowband.testbed import Layout, Testbed
+
+
+def make_layout(cfg: BenchConfig) -> Layout:
+    machines = cfg.world_size // cfg.ranks_per_machine
+    if cfg.ranks_per_machine > 1:
+        return Layout.two_tier(machines, cfg.ranks_per_machine, inter=cfg.rate, intra=cfg.intra_rate)
+    if cfg.rates is not None:
+        return Layout.heterogeneous(cfg.rates, delay_ms=cfg.delay_ms)
+    return Layout.flat(cfg.world_size, cfg.rate, delay_ms=cfg.delay_ms)
+
+
+def _follow(stream: IO[bytes], bar: tqdm, log: IO[str]) -> None:
+    for raw in stream:
+        line = raw.decode(errors="replace").rstrip("\n")
+        if line.startswith("@@progress "):
+            _, done, total, what = line.split(" ", 3)
+            bar.total = int(total)
+            bar.n = int(done)
+            bar.set_postfix_str(what, refresh=False)
+            bar.refresh()
+        else:
+            log.write(line + "\n")
+            log.flush()
+
+
+def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False) -> dict[str, Any]:
+    """Run one bench (one workload, one link setting); returns the results also written to
+    ``cfg.out_dir/results.json``."""
+    cfg.validate()
+    out = Path(cfg.out_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "raw.json").unlink(missing_ok=True)
+    cfg_path = out / "config.json"
+    cfg.save(cfg_path)
+    layout = make_layout(cfg)
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    with Testbed(layout, mode=cfg.mode) as tb:
+        logs = [open(out / "logs" / f"rank{r}.log", "w") for r in range(cfg.world_size)]  # noqa: SIM115
+        try:
+            stdouts: list[Any] = [subprocess.PIPE, *logs[1:]]
+            procs = tb.spawn(
+                [sys.executable, "-m", "lowband.bench.worker", str(cfg_path.resolve())],
+                env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(cfg.threads)},
+                stdout=stdouts,
+                stderr=logs,
+            )
+            bar = tqdm(desc=f"bench {cfg.workload}, {tb.label()}", unit="seg", disable=quiet, file=sys.stderr)
+            follower = threading.Thread(target=_follow, args=(procs[0].stdout, bar, logs[0]), daemon=True)
+            follower.start()
+            codes = tb.wait(procs, timeout)
+            follower.join(timeout=10)
+            bar.close()
+        finally:
+            for f in logs:
+                f.close()
+        if any(codes) or not (out / "raw.json").exists():
+            tails = []
+            for r, c in enumerate(codes):
+                if c:
+                    text = (out / "logs" / f"rank{r}.log").read_text(errors="replace")[-3000:]
+                    tails.append(f"--- rank {r} exited {c}; end of {out / 'logs' / f'rank{r}.log'}:\n{text}")
+            raise LowbandError("lowband bench: the ranks failed\n" + "\n".join(tails))
+        shaped, label = tb.shaped, tb.label()
+    raw = json.loads((out / "raw.json").read_text())
+    link_rate = layout.bottleneck() if shaped else None
+    sharing = cfg.ranks_per_machine if shaped else cfg.world_size
+    summary = summarize(
+        raw,
+        warmup_rounds=cfg.warmup_rounds,
+        link_rate=link_rate,
+        bytes_sharing=sharing,
+        baselines=cfg.baselines,
+        target_loss=cfg.target_loss,
+        smooth=min(10, cfg.steps_per_round),
+    )
+    title = f"{cfg.workload}, {cfg.world_size} ranks, {label}"
+    results = {
+        "lowband_version": lowband.__version__,
+        "started": started,
+        "config": dataclasses.asdict(cfg),
+        "testbed": label,
+        "shaped": shaped,
+        "link_rate_bits": link_rate,
+        "workload": raw["workload"],
+        "unit": raw["unit"],
+        "batch_size_per_rank": raw["batch_size"],
+        "summary": summary,
+        "raw": raw,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plots = plot_all(raw, summary, out, title, smooth=min(10, cfg.steps_per_round))
+    table = markdown_table(summary, raw["unit"])
+    header = (
+        f"### {title}\n\n{raw['workload']}; batch {raw['batch_size']}/rank; {cfg.rounds} rounds x "
+        f"{cfg.steps_per_round} steps per strategy, alternated, first {cfg.warmup_rounds} round(s) untimed"
+        + ("" if shaped else "\n\n**UNSHAPED** (loopback): " + tb.reason)
+    )
+    md = f"{header}\n\n{table}\n"
+    (out / "results.md").write_text(md)
+    results["markdown"] = md
+    results["plots"] = [str(p) for p in plots]
+    return results
+
+
+def run_sweep(
+    cfg: BenchConfig, rates: list[str | None], world_sizes: list[int], *, timeout: float = 3600.0
+) -> dict[str, Any]:
+    """One bench per (link rate, world size); prints speed-up tables like the papers' Table 1."""
+    points = []
+    base = Path(cfg.out_dir)
+    for n in world_sizes:
+        for rate in rates:
+            setting = f"n={n}, {rate or 'unshaped'}"
+            sub = dataclasses.replace(
+                cfg, world_size=n, rate=rate, out_dir=str(base / f"n{n}_{rate or 'unshaped'}")
+            )
+            if rate is None:
+                sub.mode = "loopback"
+            res = run_bench(sub, timeout=timeout)
+            print(res["markdown"])
+            points.append({"setting": setting, "testbed": res["testbed"], "summary": res["summary"]})
+    baseline = cfg.baselines[0]
+    table = sweep_table(points, baseline)
+    (base / "sweep.json").write_text(json.dumps({"points": points, "baseline": baseline}, indent=1))
+    (base / "sweep.md").write_text(table + "\n")
+    return {"points": points, "table": table}

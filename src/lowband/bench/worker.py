@@ -1,0 +1,203 @@
+"""One rank of a ``lowband bench`` run: ``python -m lowband.bench.worker CONFIG.json``.
+
+Started by the runner on every rank (inside the testbed's network namespaces when shaped). All
+strategies train side by side in this one process: each keeps its own model, optimizer and data
+stream, and they take turns in rounds of ``steps_per_round`` steps (strategy A, B, C, compute-only, A,
+B, C, ...), so slow drifts of the machine hit every strategy alike. Per step it records the step time
+of every rank and the loss; per round the bytes that crossed this rank's link (kernel interface
+counters) and a held-out evaluation (time excluded). Rank 0 writes everything to ``raw.json``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import lowband
+from lowband.bench.config import BenchConfig
+from lowband.bench.workloads import Workload, get_workload
+from lowband.strategies import Strategy, make_strategy, parse_strategy_spec
+from lowband.testbed import read_iface_bytes
+
+COMPUTE = "compute-only"
+
+
+class ComputeOnly(Strategy):
+    """The same training step with no communication at all: measures computation time."""
+
+    name = COMPUTE
+
+    def in_sync(self) -> bool:
+        return False
+
+
+@dataclass
+class Run:
+    key: str
+    strategy: Strategy
+    batches: Any
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    wall: float = 0.0  # training time so far (sum of step times of the slowest rank)
+
+
+def _progress(done: int, total: int, what: str) -> None:
+    if lowband.rank() == 0:
+        print(f"@@progress {done} {total} {what}", flush=True)
+
+
+def _iface_bytes() -> tuple[int, int]:
+    return read_iface_bytes(os.environ.get("LOWBAND_TESTBED_IFNAME", "lo"))
+
+
+def _gather(values: list[float]) -> list[list[float]]:
+    t = torch.tensor(values, dtype=torch.float64)
+    return lowband.allgather(t.unsqueeze(0)).tolist()  # type: ignore[no-any-return]
+
+
+def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) -> None:
+    lowband.barrier()
+    tx0, rx0 = _iface_bytes()
+    starts, ends, losses, items = [], [], [], 0
+    for _ in range(cfg.steps_per_round):
+        batch = next(run.batches)
+        t0 = time.perf_counter()
+        loss = run.strategy.train_step(functools.partial(wl.loss, batch=batch))
+        t1 = time.perf_counter()
+        starts.append(t0 - epoch0)
+        ends.append(t1 - epoch0)
+        losses.append(loss)
+        items += wl.items(batch)
+    run.strategy.synchronize()
+    lowband.barrier()
+    tx1, rx1 = _iface_bytes()
+    all_starts, all_ends = _gather(starts), _gather(ends)
+    all_losses = _gather(losses)
+    wire = _gather([float(tx1 - tx0), float(rx1 - rx0)])
+    n = lowband.size()
+    step_times = [max(all_ends[r][k] - all_starts[r][k] for r in range(n)) for k in range(len(starts))]
+    mean_loss = [sum(all_losses[r][k] for r in range(n)) / n for k in range(len(starts))]
+    first_step = run.strategy.steps - len(starts)
+    run.segments.append(
+        {
+            "round": rnd,
+            "first_step": first_step,
+            "step_times": step_times,
+            "loss": mean_loss,
+            "wall_end": run.wall + sum(step_times),
+            "items": items * n,
+            "starts": all_starts,
+            "ends": all_ends,
+            "tx_bytes": [w[0] for w in wire],
+            "rx_bytes": [w[1] for w in wire],
+        }
+    )
+    run.wall += sum(step_times)
+
+
+def _evaluate(run: Run, wl: Workload, cfg: BenchConfig, rnd: int) -> None:
+    res = wl.evaluate(run.strategy.local_module, max_items=cfg.eval_items)
+    acc = -1.0 if res.accuracy is None else res.accuracy
+    vals = lowband.allreduce(torch.tensor([res.loss, acc], dtype=torch.float64)).tolist()
+    run.evals.append(
+        {
+            "round": rnd,
+            "step": run.strategy.steps,
+            "wall": run.wall,
+            "loss": vals[0],
+            "accuracy": None if res.accuracy is None else vals[1],
+        }
+    )
+
+
+def _replica_spread(s: Strategy) -> float:
+    """max over parameters of (max over ranks - min over ranks): 0 when every replica is identical."""
+    flat = torch.cat([p.detach().reshape(-1).double() for p in s.local_module.parameters()])
+    hi = lowband.allreduce(flat, op="max")
+    lo = lowband.allreduce(flat, op="min")
+    return float((hi - lo).abs().max())
+
+
+def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
+    torch.set_num_threads(cfg.threads)
+    r, n = lowband.rank(), lowband.size()
+    wl = get_workload(cfg.workload)
+    bs = cfg.batch_size or wl.default_batch_size
+    epoch0 = float(lowband.broadcast(torch.tensor([time.perf_counter()], dtype=torch.float64), root=0)[0])
+
+    def make_opt(params: Any) -> torch.optim.Optimizer:
+        return wl.make_optimizer(params, lr=cfg.lr)
+
+    runs: list[Run] = []
+    for spec in [*cfg.strategies, COMPUTE]:
+        model = wl.build_model(cfg.seed)
+        if spec == COMPUTE:
+            strat: Strategy = ComputeOnly(model, make_opt(model.parameters()), lowband.world())
+        else:
+            name, options = parse_strategy_spec(spec)
+            strat = make_strategy(name, model, make_opt, **options)
+        runs.append(Run(spec, strat, wl.batches(r, n, bs, cfg.seed)))
+    total = cfg.rounds * len(runs)
+    done = 0
+    _progress(done, total, "start")
+    for rnd in range(cfg.rounds):
+        for run in runs:
+            _segment(run, wl, cfg, rnd, epoch0)
+            if run.key != COMPUTE:
+                _evaluate(run, wl, cfg, rnd)
+            done += 1
+            _progress(done, total, run.key)
+    out: dict[str, Any] = {"runs": {}}
+    for run in runs:
+        in_sync = run.strategy.in_sync()
+        out["runs"][run.key] = {
+            "name": run.strategy.name,
+            "label": run.strategy.label(),
+            "hparams": run.strategy.hparams(),
+            "segments": run.segments,
+            "evals": run.evals,
+            "in_sync": in_sync,
+            "replica_spread": _replica_spread(run.strategy),
+            "params": sum(p.numel() for p in run.strategy.local_module.parameters()),
+        }
+        run.strategy.close()
+    out.update(
+        {
+            "world_size": n,
+            "batch_size": bs,
+            "unit": wl.unit,
+            "workload": wl.describe(),
+            "testbed_shaped": os.environ.get("LOWBAND_TESTBED_SHAPED", "0") == "1",
+            "iface": os.environ.get("LOWBAND_TESTBED_IFNAME", "lo"),
+        }
+    )
+    return out if r == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m lowband.bench.worker CONFIG.json", file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    cfg = BenchConfig.load(path)
+    lowband.init(timeout=cfg.comm_timeout)
+    try:
+        out = run_worker(cfg)
+        if out is not None:
+            (path.parent / "raw.json").write_text(json.dumps(out))
+    finally:
+        lowband.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Reference workloads, offline and deterministic: image classification, language modelling, regression.
+
+>>> w = get_workload("fmnist-cnn")
+>>> model = w.build_model(seed=0)
+>>> opt = w.make_optimizer(model.parameters())
+>>> for step, batch in zip(range(100), w.batches(rank, world, w.default_batch_size, seed=0)):
+...     opt.zero_grad(); w.loss(model, batch).backward(); opt.step()
+>>> w.evaluate(model)
+
+======================  ====================================================  ========
+name                    data, model                                           unit
+======================  ====================================================  ========
+``fmnist-cnn``          Fashion-MNIST (digits fallback), small CNN            samples
+``fmnist-resnet``       Fashion-MNIST (digits fallback), small ResNet         samples
+``shakespeare-gpt``     Shakespeare characters, nanoGPT-style transformer     tokens
+``wordlm``              Shakespeare words, embedding-dominated word LM        tokens
+``linreg``              synthetic linear regression, ``nn.Linear(d, 1)``      samples
+======================  ====================================================  ========
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from lowband.bench.workloads.base import Batch, EvalResult, Workload, count_params
+from lowband.bench.workloads.images import DatasetUnavailableError
+from lowband.bench.workloads.regression import LinRegWorkload, least_squares, linreg_data, linreg_problem
+from lowband.bench.workloads.text import CharLMWorkload
+from lowband.bench.workloads.vision import ImageWorkload
+from lowband.bench.workloads.wordlm import WordLMWorkload
+from lowband.errors import InvalidArgumentError
+
+_REGISTRY: dict[str, Callable[..., Workload]] = {
+    "fmnist-cnn": functools.partial(ImageWorkload, "cnn", "fmnist-cnn"),
+    "fmnist-resnet": functools.partial(ImageWorkload, "resnet", "fmnist-resnet"),
+    "shakespeare-gpt": CharLMWorkload,
+    "wordlm": WordLMWorkload,
+    "linreg": LinRegWorkload,
+}
+
+
+def workload_names() -> list[str]:
+    """The registered workload names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_workload(name: str, **options: Any) -> Workload:
+    """The workload registered as ``name``, built with keyword ``options`` (e.g. ``dataset="digits"``)."""
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise InvalidArgumentError(f"unknown workload {name!r}; choose one of {', '.join(workload_names())}")
+    signature = inspect.signature(factory)
+    try:
+        signature.bind(**options)
+    except TypeError as e:
+        accepted = ", ".join(signature.parameters)
+        raise InvalidArgumentError(
+            f"workload {name!r}: bad options {sorted(options)} ({e}); it accepts: {accepted}"
+        ) from e
+    return factory(**options)
+
+
+__all__ = [
+    "Batch",
+    "CharLMWorkload",
+    "DatasetUnavailableError",
+    "EvalResult",
+    "ImageWorkload",
+    "LinRegWorkload",
+    "WordLMWorkload",
+    "Workload",
+    "count_params",
+    "get_workload",
+    "least_squares",
+    "linreg_data",
+    "linreg_problem",
+    "workload_names",
+]

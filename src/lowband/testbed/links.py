@@ -1,0 +1,239 @@
+"""Link layouts for the testbed: rates, per-rank links and the two-tier machine layout (pure).
+
+Nothing here touches the system. A :class:`Layout` says how many emulated machines there are, each
+machine's :class:`LinkSpec` (uplink and downlink rate to the shared bridge, one-way delay on its
+receive path), how many ranks share a machine, and the rate of the machine-internal link. Rates are
+bits per second (``None`` = unshaped).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lowband.errors import InvalidArgumentError
+
+RateLike = str | float | int | None
+
+_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_RATE_RE = re.compile(
+    r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit|bits|b|bps)?(?:/s)?\s*$", re.I
+)
+
+
+def parse_rate(rate: RateLike) -> float | None:
+    """A rate in bits per second: ``"100mbit"``, ``"1gbit"``, ``"10Mbit/s"``, ``"500kbit"``, ``1e8``.
+
+    ``None`` (and the strings ``"none"``/``"unlimited"``/``"inf"``) mean unshaped and give ``None``.
+    Units are decimal (1 Mbit = 1e6 bits) as in ``tc``. A zero, negative or malformed rate raises
+    :class:`InvalidArgumentError`.
+    """
+    if rate is None:
+        return None
+    if isinstance(rate, bool):
+        raise InvalidArgumentError(f"testbed rate: expected a rate such as '100mbit' or bits/s, got {rate!r}")
+    if isinstance(rate, int | float):
+        value = float(rate)
+    elif isinstance(rate, str):
+        if rate.strip().lower() in ("none", "unlimited", "inf", "unshaped"):
+            return None
+        m = _RATE_RE.match(rate)
+        if m is None:
+            raise InvalidArgumentError(
+                f"testbed rate: cannot parse {rate!r}; use e.g. '100mbit', '1gbit', '10Mbit/s', '500kbit' "
+                "or a number of bits per second"
+            )
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        raise InvalidArgumentError(
+            f"testbed rate: expected a str, a number of bits/s or None, got {type(rate).__name__}"
+        )
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgumentError(f"testbed rate: must be a finite number of bits/s > 0, got {rate!r}")
+    return value
+
+
+def format_rate(bits_per_s: float | None) -> str:
+    """``1e8`` -> ``"100 Mbit/s"``; ``None`` -> ``"unshaped"``."""
+    if bits_per_s is None:
+        return "unshaped"
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:g} {unit}"
+    return f"{bits_per_s:g} bit/s"
+
+
+def _check_delay(delay_ms: float) -> float:
+    if isinstance(delay_ms, bool) or not isinstance(delay_ms, int | float):
+        raise InvalidArgumentError(f"testbed delay_ms: expected a number of milliseconds, got {delay_ms!r}")
+    if not math.isfinite(delay_ms) or delay_ms < 0:
+        raise InvalidArgumentError(f"testbed delay_ms: must be a finite number >= 0, got {delay_ms!r}")
+    return float(delay_ms)
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One rank's (or one machine's) link to the bridge: uplink, downlink (bits/s) and one-way delay."""
+
+    up: float | None
+    down: float | None
+    delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("up", "down"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise InvalidArgumentError(
+                    f"testbed LinkSpec.{name}: must be None or a finite rate in bits/s > 0, got {value!r}"
+                )
+        _check_delay(self.delay_ms)
+
+    @staticmethod
+    def of(
+        rate: RateLike = None, *, up: RateLike = None, down: RateLike = None, delay_ms: float = 0.0
+    ) -> LinkSpec:
+        """A link of ``rate`` both ways, or with ``up``/``down`` given apart (they override ``rate``)."""
+        base = parse_rate(rate)
+        return LinkSpec(
+            up=parse_rate(up) if up is not None else base,
+            down=parse_rate(down) if down is not None else base,
+            delay_ms=_check_delay(delay_ms),
+        )
+
+    @property
+    def shaped(self) -> bool:
+        return self.up is not None or self.down is not None or self.delay_ms > 0
+
+    def label(self) -> str:
+        """``"100 Mbit/s"``, ``"up 100 Mbit/s / down 1 Gbit/s"``, with ``" + 20 ms"`` when delayed."""
+        if self.up == self.down:
+            text = format_rate(self.up)
+        else:
+            text = f"up {format_rate(self.up)} / down {format_rate(self.down)}"
+        if self.delay_ms > 0:
+            text += f" + {self.delay_ms:g} ms"
+        return text
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Emulated machines (one network namespace each) and the ranks that live on them.
+
+    Rank ``r`` lives on machine ``r // ranks_per_machine``. With ``ranks_per_machine > 1`` (two-tier)
+    ranks of one machine share its link to the bridge and talk to each other over the machine's
+    loopback, shaped to ``intra`` bits/s when given.
+    """
+
+    machines: tuple[LinkSpec, ...]
+    ranks_per_machine: int = 1
+    intra: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.machines, tuple) or not all(isinstance(m, LinkSpec) for m in self.machines):
+            raise InvalidArgumentError("testbed Layout.machines: expected a tuple of LinkSpec")
+        if len(self.machines) < 1:
+            raise InvalidArgumentError("testbed Layout: needs at least 1 machine, got 0")
+        if isinstance(self.ranks_per_machine, bool) or not isinstance(self.ranks_per_machine, int):
+            raise InvalidArgumentError(
+                f"testbed Layout.ranks_per_machine: expected an int, got {self.ranks_per_machine!r}"
+            )
+        if self.ranks_per_machine < 1:
+            raise InvalidArgumentError(
+                f"testbed Layout.ranks_per_machine: must be >= 1, got {self.ranks_per_machine}"
+            )
+        if self.intra is not None and (
+            isinstance(self.intra, bool)
+            or not isinstance(self.intra, int | float)
+            or not math.isfinite(self.intra)
+            or self.intra <= 0
+        ):
+            raise InvalidArgumentError(
+                f"testbed Layout.intra: must be None or a rate in bits/s > 0, got {self.intra!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return len(self.machines) * self.ranks_per_machine
+
+    @property
+    def n_machines(self) -> int:
+        return len(self.machines)
+
+    def machine_of(self, rank: int) -> int:
+        """The machine (namespace index) rank ``rank`` lives on."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise InvalidArgumentError(
+                f"testbed Layout: rank must be an int in [0, {self.world_size}), got {rank!r}"
+            )
+        return rank // self.ranks_per_machine
+
+    @property
+    def shaped(self) -> bool:
+        return self.intra is not None or any(m.shaped for m in self.machines)
+
+    @staticmethod
+    def flat(
+        n: int, rate: RateLike, *, up: RateLike = None, down: RateLike = None, delay_ms: float = 0.0
+    ) -> Layout:
+        """``n`` ranks, one per machine, every one with the same link."""
+        _check_count("Layout.flat: n", n)
+        spec = LinkSpec.of(rate, up=up, down=down, delay_ms=delay_ms)
+        return Layout(machines=(spec,) * n)
+
+    @staticmethod
+    def heterogeneous(rates: Sequence[RateLike], delay_ms: float = 0.0) -> Layout:
+        """One rank per machine, rank ``i`` with rate ``rates[i]`` both ways."""
+        if isinstance(rates, str) or not isinstance(rates, Sequence):
+            raise InvalidArgumentError(
+                f"testbed Layout.heterogeneous: rates must be a sequence of rates, got {rates!r}"
+            )
+        if len(rates) < 1:
+            raise InvalidArgumentError("testbed Layout.heterogeneous: needs at least 1 rate, got none")
+        return Layout(machines=tuple(LinkSpec.of(r, delay_ms=delay_ms) for r in rates))
+
+    @staticmethod
+    def two_tier(machines: int, ranks_per_machine: int, inter: RateLike, intra: RateLike = None) -> Layout:
+        """``machines`` machines of ``ranks_per_machine`` ranks: ``inter`` between machines, ``intra`` inside."""
+        _check_count("Layout.two_tier: machines", machines)
+        _check_count("Layout.two_tier: ranks_per_machine", ranks_per_machine)
+        return Layout(
+            machines=(LinkSpec.of(inter),) * machines,
+            ranks_per_machine=ranks_per_machine,
+            intra=parse_rate(intra),
+        )
+
+    def describe(self) -> str:
+        """One line: ``"4 ranks, 100 Mbit/s per rank"``, per-rank rates when they differ, two-tier form."""
+        n = self.world_size
+        labels = [m.label() for m in self.machines]
+        if self.ranks_per_machine == 1:
+            links = f"{labels[0]} per rank" if len(set(labels)) == 1 else "ranks at " + ", ".join(labels)
+            return f"{n} rank{'s' if n != 1 else ''}, {links}"
+        links = f"{labels[0]} per machine" if len(set(labels)) == 1 else "machines at " + ", ".join(labels)
+        return (
+            f"{n} ranks on {self.n_machines} machines x {self.ranks_per_machine}, {links}, "
+            f"{format_rate(self.intra)} inside a machine"
+        )
+
+    def bottleneck(self) -> float | None:
+        """The slowest rate (bits/s) of any inter-machine link, either direction; ``None`` if all unshaped.
+
+        With one rank per machine this is the slowest rank's rate. In a two-tier layout it is the
+        machine link's rate, which the ranks of that machine share.
+        """
+        rates = [r for m in self.machines for r in (m.up, m.down) if r is not None]
+        return min(rates) if rates else None
+
+
+def _check_count(what: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"testbed {what}: expected an int, got {value!r}")
+    if value < 1:
+        raise InvalidArgumentError(f"testbed {what}: must be >= 1, got {value}")

@@ -1,0 +1,377 @@
+"""Emulated links: one network namespace per machine, veth pairs to a bridge, tbf rate limits.
+
+Layout of one testbed owned by process ``PID`` (``SEQ`` counts the testbeds that process made)::
+
+    namespace PREFIX-PID-SEQ-br    bridge br0, ports vm0 .. vm{N-1}  (tbf on vmI: machine I's downlink)
+    namespace PREFIX-PID-SEQ-mI    veth0 = 10.213.K.(I+1)/24         (tbf on veth0: machine I's uplink)
+                                   lo (tbf when the layout has an intra-machine rate)
+
+Every interface lives in a namespace the testbed created; the root namespace's interfaces, routes and
+firewall are never touched. The owner pid in the names lets :func:`clean` recognise leftovers of a
+crashed run and leave a live owner's testbed alone. Without root (or ``ip``/``tc``/tbf) the testbed
+falls back to plain loopback and says ``UNSHAPED`` wherever it is labelled.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lowband.errors import InvalidArgumentError, LowbandError
+from lowband.testbed.leftovers import (
+    NamespaceInfo,
+    check_prefix,
+    clean,
+    delete_netns,
+    have_root,
+    list_testbeds,
+    run_cmd,
+)
+from lowband.testbed.links import Layout
+from lowband.testbed.procs import kill_group, start_procs, wait_procs
+
+__all__ = [
+    "NamespaceInfo",
+    "Testbed",
+    "clean",
+    "have_root",
+    "list_testbeds",
+    "read_iface_bytes",
+    "shaping_available",
+    "wait_procs",
+]
+
+BRIDGE = "br0"
+RANK_IF = "veth0"
+TBF_LATENCY = "100ms"
+MIN_BURST = 64 * 1024
+DEFAULT_PORT = 29500
+
+
+@functools.lru_cache(maxsize=1)
+def shaping_available() -> tuple[bool, str]:
+    """(ok, reason): can this machine build shaped links? Checks root, ``ip``/``tc``, and really
+    creates a bridge, a veth pair and a tbf qdisc in a throw-away namespace (result cached)."""
+    if not sys.platform.startswith("linux"):
+        return False, f"network namespaces need Linux, this is {sys.platform}"
+    if not have_root():
+        return False, "not root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"the `{tool}` command (iproute2) is missing"
+    probe = f"lb-{os.getpid()}-probe"
+    cmds = [
+        ["ip", "netns", "add", probe],
+        ["ip", "-n", probe, "link", "add", "pb0", "type", "bridge"],
+        ["ip", "-n", probe, "link", "add", "pv0", "type", "veth", "peer", "name", "pv1"],
+        ["tc", "-n", probe, "qdisc", "add", "dev", "pv0", "root", "tbf", *_tbf_args(1e8)],
+    ]
+    try:
+        for cmd in cmds:
+            res = run_cmd(cmd, check=False)
+            if res.returncode != 0:
+                what = "tbf qdisc (sch_tbf)" if cmd[0] == "tc" else " ".join(cmd[3:6])
+                return False, f"the kernel refused {what}: {res.stderr.strip()}"
+    finally:
+        run_cmd(["ip", "netns", "del", probe], check=False)
+    return True, ""
+
+
+def _tbf_args(rate: float) -> list[str]:
+    """tbf parameters: burst of 4 ms of traffic at ``rate``, at least 64 KiB; 100 ms queue."""
+    burst = max(MIN_BURST, int(rate / 8 / 250))
+    return ["rate", f"{int(rate)}bit", "burst", str(burst), "latency", TBF_LATENCY]
+
+
+def read_iface_bytes(ifname: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of interface ``ifname`` in the calling process's network namespace."""
+    with open("/proc/net/dev") as f:
+        for line in f.readlines()[2:]:
+            name, _, data = line.partition(":")
+            if name.strip() == ifname:
+                fields = data.split()
+                return int(fields[8]), int(fields[0])
+    raise InvalidArgumentError(f"lowband.testbed.read_iface_bytes: no interface {ifname!r} in this namespace")
+
+
+_seq_lock = threading.Lock()
+_seq = 0
+
+
+def _next_seq() -> int:
+    global _seq
+    with _seq_lock:
+        _seq += 1
+        return _seq
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Testbed:
+    """N ranks on emulated links; a context manager that removes everything it made on exit.
+
+    ``mode``: ``"auto"`` (namespaces when :func:`shaping_available`, else loopback with a warning on
+    stderr), ``"netns"`` (raise if unavailable) or ``"loopback"`` (never shape).
+    """
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    def __init__(
+        self, layout: Layout, *, mode: str = "auto", prefix: str = "lb", port: int | None = None
+    ) -> None:
+        if not isinstance(layout, Layout):
+            raise InvalidArgumentError(
+                f"lowband.testbed.Testbed: layout must be a Layout, got {type(layout).__name__}"
+            )
+        if mode not in ("auto", "netns", "loopback"):
+            raise InvalidArgumentError(
+                f"lowband.testbed.Testbed: mode must be 'auto', 'netns' or 'loopback', got {mode!r}"
+            )
+        check_prefix(prefix)
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+            raise InvalidArgumentError(f"lowband.testbed.Testbed: port must be in 1..65535, got {port!r}")
+        if layout.n_machines > 250:
+            raise InvalidArgumentError(
+                f"lowband.testbed.Testbed: at most 250 machines per testbed, got {layout.n_machines}"
+            )
+        self.layout = layout
+        self.prefix = prefix
+        if mode == "loopback":
+            ok, reason = False, "loopback requested"
+        else:
+            ok, reason = shaping_available()
+        if not ok and mode == "netns":
+            raise LowbandError(
+                f"lowband.testbed: cannot emulate links ({reason}); use mode='loopback' to run unshaped"
+            )
+        self.mode = "netns" if ok else "loopback"
+        self.shaped = ok
+        self.reason = reason
+        if not ok and mode == "auto":
+            print(
+                f"lowband.testbed: link shaping unavailable ({reason}); running on plain loopback, UNSHAPED",
+                file=sys.stderr,
+            )
+        self.seq = _next_seq()
+        self.base = f"{prefix}-{os.getpid()}-{self.seq}"
+        self.subnet = f"10.213.{(os.getpid() + self.seq) % 256}"
+        self.port = port if port is not None else (DEFAULT_PORT if ok else _free_port())
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._delayers: list[Any] = []
+        self._up = False
+        self._prev_handlers: dict[int, Any] = {}
+
+    # names and addresses -------------------------------------------------------------------------
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.base}-br"
+
+    def machine_ns(self, machine: int) -> str:
+        return f"{self.base}-m{machine}"
+
+    def namespaces(self) -> list[str]:
+        """The namespaces this testbed creates (empty in loopback mode)."""
+        if not self.shaped:
+            return []
+        return [self.machine_ns(m) for m in range(self.layout.n_machines)] + [self.bridge_ns]
+
+    def address(self, machine: int) -> str:
+        return f"{self.subnet}.{machine + 1}" if self.shaped else "127.0.0.1"
+
+    def label(self) -> str:
+        if self.shaped:
+            return f"netns+tbf: {self.layout.describe()}"
+        return f"loopback (UNSHAPED: {self.reason}): {self.layout.world_size} ranks"
+
+    def master_addr(self) -> str:
+        return self.address(0)
+
+    def ifname(self, rank: int) -> str:
+        self.layout.machine_of(rank)
+        return RANK_IF if self.shaped else "lo"
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        machine = self.layout.machine_of(rank)
+        rpm = self.layout.ranks_per_machine
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.layout.world_size),
+            "LOCAL_RANK": str(rank - machine * rpm),
+            "LOCAL_WORLD_SIZE": str(rpm),
+            "LOWBAND_LOCAL_SIZE": str(rpm),
+            "MASTER_ADDR": self.master_addr(),
+            "MASTER_PORT": str(self.port),
+            "GLOO_SOCKET_IFNAME": self.ifname(rank),
+            "LOWBAND_TESTBED_IFNAME": self.ifname(rank),
+            "LOWBAND_TESTBED_SHAPED": "1" if self.shaped else "0",
+        }
+
+    # life cycle ----------------------------------------------------------------------------------
+
+    def __enter__(self) -> Testbed:
+        self.up()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            self.down()
+        except LowbandError as e:
+            if exc_type is None:
+                raise
+            print(f"lowband.testbed: tear-down after an error also failed: {e}", file=sys.stderr)
+
+    def up(self) -> None:
+        """Create the namespaces, links and qdiscs (idempotent); removes dead owners' leftovers first."""
+        if self._up:
+            return
+        self._up = True
+        self._install_handlers()
+        try:
+            if self.shaped:
+                clean(self.prefix)
+                self._build()
+        except BaseException:
+            self.down()
+            raise
+
+    def _build(self) -> None:
+        br = self.bridge_ns
+        run_cmd(["ip", "netns", "add", br])
+        run_cmd(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"])
+        run_cmd(["ip", "-n", br, "link", "set", BRIDGE, "up"])
+        for m, spec in enumerate(self.layout.machines):
+            ns, port = self.machine_ns(m), f"vm{m}"
+            run_cmd(["ip", "netns", "add", ns])
+            run_cmd(
+                ["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", RANK_IF, "netns", ns]
+            )
+            run_cmd(["ip", "-n", br, "link", "set", port, "mtu", "1500", "master", BRIDGE, "up"])
+            run_cmd(["ip", "-n", ns, "link", "set", RANK_IF, "mtu", "1500", "up"])
+            run_cmd(["ip", "-n", ns, "addr", "add", f"{self.address(m)}/24", "dev", RANK_IF])
+            run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
+            if spec.up is not None:
+                run_cmd(["tc", "-n", ns, "qdisc", "add", "dev", RANK_IF, "root", "tbf", *_tbf_args(spec.up)])
+            if spec.down is not None:
+                run_cmd(["tc", "-n", br, "qdisc", "add", "dev", port, "root", "tbf", *_tbf_args(spec.down)])
+            if self.layout.intra is not None and self.layout.ranks_per_machine > 1:
+                run_cmd(["ip", "-n", ns, "link", "set", "lo", "mtu", "1500"])
+                run_cmd(
+                    [
+                        "tc",
+                        "-n",
+                        ns,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        "lo",
+                        "root",
+                        "tbf",
+                        *_tbf_args(self.layout.intra),
+                    ]
+                )
+            if spec.delay_ms > 0:
+                from lowband.testbed.delay import Delayer
+
+                delayer = Delayer(ns, RANK_IF, spec.delay_ms)
+                self._delayers.append(delayer)
+                delayer.start()
+
+    def down(self) -> None:
+        """Kill this testbed's processes and remove every namespace, link and rule it made (idempotent)."""
+        if not self._up:
+            return
+        self._up = False
+        try:
+            for proc in self.procs:
+                kill_group(proc)
+            for delayer in self._delayers:
+                delayer.stop()
+            self._delayers.clear()
+            left = [
+                ns
+                for ns in sorted(self.namespaces(), key=lambda n: n.endswith("-br"))
+                if not delete_netns(ns)
+            ]
+            if left:
+                raise LowbandError(f"lowband.testbed: could not remove namespaces {', '.join(left)}")
+        finally:
+            self._restore_handlers()
+
+    def _install_handlers(self) -> None:
+        atexit.register(self.down)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._prev_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_handlers(self) -> None:
+        atexit.unregister(self.down)
+        for sig, prev in self._prev_handlers.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, prev)
+        self._prev_handlers.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        prev = self._prev_handlers.get(signum, signal.SIG_DFL)
+        self.down()
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    # ranks ---------------------------------------------------------------------------------------
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str] | None = None,
+        stdout: Any = None,
+        stderr: Any = None,
+    ) -> list[subprocess.Popen[bytes]]:
+        """Start one process per rank running ``argv`` in its machine's namespace (own session each).
+
+        The environment is ``os.environ`` + ``env`` + :meth:`rank_env`. ``stdout``/``stderr`` are
+        passed to :class:`subprocess.Popen`; a list or tuple gives one per rank.
+        """
+        if not self._up:
+            raise LowbandError(
+                "lowband.testbed.spawn: the testbed is not up; use `with Testbed(...)` or up()"
+            )
+        if isinstance(argv, str) or not argv:
+            raise InvalidArgumentError(
+                f"lowband.testbed.spawn: argv must be a non-empty list of strings, got {argv!r}"
+            )
+        n = self.layout.world_size
+        cmds, envs = [], []
+        for rank in range(n):
+            ns = self.machine_ns(self.layout.machine_of(rank))
+            cmds.append(["ip", "netns", "exec", ns, *argv] if self.shaped else list(argv))
+            envs.append({**os.environ, **(env or {}), **self.rank_env(rank)})
+        procs = start_procs(cmds, envs, stdout=stdout, stderr=stderr, what="lowband.testbed.spawn")
+        self.procs.extend(procs)
+        return procs
+
+    def wait(
+        self, procs: Sequence[subprocess.Popen[bytes]], timeout: float, *, grace: float = 30.0
+    ) -> list[int]:
+        """Wait for every process; returns their exit codes in order (a killed one reads -9).
+
+        Once one exits non-zero the others get ``grace`` seconds, then are killed. Past ``timeout``
+        everything left is killed and :class:`CommTimeoutError` names the ranks still running.
+        """
+        return wait_procs(procs, timeout, grace=grace)

@@ -1,0 +1,89 @@
+"""Process control for testbed ranks: start one process per rank in its own session, wait with a
+bound, kill a whole process group (the rank and anything it started)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lowband.errors import CommTimeoutError, InvalidArgumentError
+
+
+def start_procs(
+    cmds: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str]],
+    *,
+    stdout: Any = None,
+    stderr: Any = None,
+    what: str = "lowband.testbed.spawn",
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``cmds[r]`` with ``envs[r]``, each in a new session; a list/tuple ``stdout``/``stderr``
+    gives one per process. If one fails to start, the ones already started are killed."""
+    n = len(cmds)
+    for name, value in (("stdout", stdout), ("stderr", stderr)):
+        if isinstance(value, list | tuple) and len(value) != n:
+            raise InvalidArgumentError(f"{what}: {name} has {len(value)} entries, the world has {n} ranks")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for rank, (cmd, env) in enumerate(zip(cmds, envs)):
+            procs.append(
+                subprocess.Popen(
+                    list(cmd),
+                    env=dict(env),
+                    stdout=stdout[rank] if isinstance(stdout, list | tuple) else stdout,
+                    stderr=stderr[rank] if isinstance(stderr, list | tuple) else stderr,
+                    start_new_session=True,
+                )
+            )
+    except BaseException:
+        for proc in procs:
+            kill_group(proc)
+        raise
+    return procs
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def wait_procs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, *, grace: float = 30.0) -> list[int]:
+    """:meth:`Testbed.wait` for any processes started with ``start_new_session=True``."""
+    if timeout <= 0 or grace < 0:
+        raise InvalidArgumentError(
+            f"lowband.testbed.wait: need timeout > 0 and grace >= 0, got {timeout}, {grace}"
+        )
+    deadline = time.monotonic() + timeout
+    kill_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        running = [r for r, c in enumerate(codes) if c is None]
+        if not running:
+            return [int(c) for c in codes if c is not None]
+        now = time.monotonic()
+        if kill_at is None and any(c not in (None, 0) for c in codes):
+            kill_at = now + grace
+        if kill_at is not None and now >= kill_at:
+            for r in running:
+                kill_group(procs[r])
+            continue
+        if now >= deadline:
+            for r in running:
+                kill_group(procs[r])
+            raise CommTimeoutError(
+                f"lowband.testbed.wait: ranks {running} still running after {timeout:g} s; killed them "
+                f"(exit codes of the others: { {r: c for r, c in enumerate(codes) if c is not None} })"
+            )
+        time.sleep(0.02)

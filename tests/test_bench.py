@@ -1,0 +1,120 @@
+"""The bench: metric definitions on synthetic records (pure), and the whole runner on a tiny
+configuration (real rank processes; loopback, and emulated links when root)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lowband.bench.config import BenchConfig
+from lowband.bench.metrics import COMPUTE, smoothed, summarize, time_to_target
+from lowband.bench.runner import run_bench
+from lowband.errors import InvalidArgumentError
+from lowband.testbed import have_root
+
+
+def _run(step: float, losses: list[float], tx: float, n: int = 2, rounds: int = 2) -> dict[str, object]:
+    per = len(losses) // rounds
+    segs = []
+    for r in range(rounds):
+        ls = losses[r * per : (r + 1) * per]
+        segs.append(
+            {
+                "round": r, "first_step": r * per, "step_times": [step] * per, "loss": ls,
+                "wall_end": (r + 1) * per * step, "items": 10 * per, "tx_bytes": [tx * per] * n,
+                "rx_bytes": [tx * per] * n, "starts": [[0.0] * per] * n, "ends": [[step] * per] * n,
+            }
+        )  # fmt: skip
+    return {"label": "x", "segments": segs, "evals": [], "in_sync": True, "replica_spread": 0.0}
+
+
+def test_metrics_definitions() -> None:
+    raw = {
+        "world_size": 2,
+        "runs": {
+            "ddp": _run(0.4, [4, 3, 2, 1], tx=2e6),
+            "localsgd:period=2": _run(0.2, [4, 3, 2.5, 2], tx=2.5e5),
+            COMPUTE: _run(0.1, [4, 3, 2, 1], tx=0),
+        },
+    }
+    s = summarize(raw, warmup_rounds=1, link_rate=1e8, bytes_sharing=1, baselines=["ddp"], smooth=1)
+    ddp, loc = s["strategies"]["ddp"], s["strategies"]["localsgd:period=2"]
+    assert ddp["iter_time_median"] == pytest.approx(0.4)
+    assert ddp["throughput"] == pytest.approx(20 / 0.8)
+    assert ddp["compute_time"] == pytest.approx(0.1)
+    assert ddp["comm_not_overlapped"] == pytest.approx(0.3)
+    assert ddp["bound"] == pytest.approx(2e6 * 8 / 1e8)  # wire time 160 ms > 100 ms of computation
+    assert ddp["efficiency"] == pytest.approx(0.16 / 0.4)
+    assert loc["bound"] == pytest.approx(0.1)  # 20 ms on the wire < 100 ms of computation
+    assert loc["speedup_vs"]["ddp"] == pytest.approx(2.0)
+    # default target: the worst final loss (2.0, localsgd) -> ddp reaches it at step 3, localsgd at step 4
+    assert s["target_loss"] == 2.0
+    assert ddp["time_to_target"] == pytest.approx(1.2)
+    assert loc["time_to_target"] == pytest.approx(0.8)
+    assert loc["time_to_target_ratio_vs"]["ddp"] == pytest.approx(1.5)
+    assert smoothed([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
+    assert time_to_target(raw["runs"]["ddp"], 0.5, 1) is None  # type: ignore[arg-type]
+
+
+def test_config_validation() -> None:
+    for bad, msg in (
+        ({"strategies": ["nope"]}, "unknown strategy 'nope'"),
+        ({"strategies": ["ddp", "ddp"]}, "repeat"),
+        ({"world_size": 0}, "world_size must be an int >= 1"),
+        ({"rounds": 2, "warmup_rounds": 2}, "warmup_rounds"),
+        ({"world_size": 4, "ranks_per_machine": 3}, "must divide"),
+        ({"mode": "wifi"}, "mode must be"),
+    ):
+        with pytest.raises(InvalidArgumentError, match=msg):
+            BenchConfig(**bad).validate()  # type: ignore[arg-type]
+
+
+def _tiny(tmp_path: Path, mode: str) -> BenchConfig:
+    return BenchConfig(
+        workload="fmnist-cnn", strategies=["ddp", "localsgd:period=2"], world_size=2, rate="200mbit",
+        mode=mode, rounds=2, steps_per_round=4, warmup_rounds=1, eval_items=64, out_dir=str(tmp_path / "out"),
+    )  # fmt: skip
+
+
+def _check(res: dict[str, object], out: Path) -> None:
+    on_disk = json.loads((out / "results.json").read_text())
+    rows = on_disk["summary"]["strategies"]
+    assert set(rows) == {"ddp", "localsgd:period=2"}
+    for name in ("loss.png", "iteration.png", "timeline.png", "results.md"):
+        assert (out / name).stat().st_size > 500
+    ddp, loc = rows["ddp"], rows["localsgd:period=2"]
+    assert ddp["in_sync"] and ddp["replica_spread"] == 0.0  # DDP keeps replicas identical
+    assert ddp["steps"] == loc["steps"] == 8
+    # DDP allreduces every step; local SGD (H=2) averages every other step: about half the bytes
+    params = on_disk["raw"]["runs"]["ddp"]["params"]
+    assert ddp["bytes_sent_per_rank_step"] > 0.9 * 4 * params
+    assert loc["bytes_sent_per_rank_step"] < 0.7 * ddp["bytes_sent_per_rank_step"]
+    assert ddp["compute_time"] > 0 and ddp["iter_time_median"] > 0
+    assert "| ddp(" in str(res["markdown"])
+
+
+def test_runner_loopback(tmp_path: Path) -> None:
+    cfg = _tiny(tmp_path, "loopback")
+    res = run_bench(cfg, timeout=240, quiet=True)
+    assert res["shaped"] is False and "UNSHAPED" in str(res["markdown"])
+    _check(res, Path(cfg.out_dir))
+
+
+@pytest.mark.skipif(not have_root(), reason="emulated links need root (network namespaces + tc)")
+def test_runner_shaped_cli(tmp_path: Path) -> None:
+    """``lowband bench`` itself, on network namespaces with tbf at 200 Mbit/s."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "lowband.cli", "bench", "-n", "2", "--rate", "200mbit", "--mode", "netns",
+        "-s", "ddp+localsgd:period=2", "--rounds", "2", "--steps-per-round", "4", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "netns+tbf" in proc.stdout and "results.json" in proc.stdout
+    res = json.loads((out / "results.json").read_text())
+    assert res["shaped"] is True and res["link_rate_bits"] == 2e8
+    _check({"markdown": proc.stdout}, out)
