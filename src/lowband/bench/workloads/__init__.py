@@ -1,11 +1,15 @@
 """Reference workloads, offline and deterministic: image classification, language modelling, regression.
 
->>> w = get_workload("fmnist-cnn")
->>> model = w.build_model(seed=0)
->>> opt = w.make_optimizer(model.parameters())
->>> for step, batch in zip(range(100), w.batches(rank, world, w.default_batch_size, seed=0)):
-...     opt.zero_grad(); w.loss(model, batch).backward(); opt.step()
->>> w.evaluate(model)
+Usage (``rank``/``world`` from :mod:`lowband`)::
+
+    w = get_workload("fmnist-cnn")
+    model = w.build_model(seed=0)                  # same seed on every rank
+    opt = w.make_optimizer(model.parameters())
+    for batch in itertools.islice(w.batches(rank, world, w.default_batch_size, seed=0), 100):
+        opt.zero_grad()
+        w.loss(model, batch).backward()
+        opt.step()
+    print(w.describe(), w.evaluate(model))
 
 ======================  ====================================================  ========
 name                    data, model                                           unit

@@ -41,11 +41,8 @@ class EvalResult:
 
 
 def mix_seed(*parts: int) -> int:
-    """A 63-bit seed derived from several integers (e.g. ``(seed, epoch)``), well spread."""
-    return (
-        int(np.random.SeedSequence([abs(p) for p in parts]).generate_state(2, np.uint32).view(np.uint64)[0])
-        >> 1
-    )
+    """A 63-bit seed derived from several non-negative integers (e.g. ``(seed, epoch)``), well spread."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0]) >> 1
 
 
 def model_device(model: nn.Module) -> torch.device:
