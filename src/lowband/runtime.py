@@ -38,6 +38,9 @@ class Context:
     owns_default_pg: bool = False
     local_group: Group | None = None
     machine_group: Group | None = None
+    #: per-rank state of subsystems built on the core (the decentralized topology, window
+    #: registries, ...), keyed by the subsystem's module name; never module-level globals
+    state: dict[str, Any] = field(default_factory=dict, repr=False)
     _group_counter: int = field(default=0, repr=False)
     _groups: list[Group] = field(default_factory=list, repr=False)
 
