@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,8 @@ class Group:
     #: a second process group over the same ranks for lowband's own small control messages (the
     #: cross-rank argument check), so they never queue behind large data ops in ``pg``'s workers
     ctl: Any = None
+    #: the cross-rank argument check for ops on this group: None follows the runtime's setting
+    check: bool | None = None
     _seq: itertools.count[int] = field(default_factory=itertools.count, repr=False)
 
     @property
@@ -38,6 +41,12 @@ class Group:
     @property
     def control_pg(self) -> Any:
         return self.ctl if self.ctl is not None else self.pg
+
+    def unchecked(self) -> Group:
+        """The same group (same process groups) with the per-op argument check off: for code that
+        validated its layout once (a strategy checks its model at construction) and then issues
+        many small ops, where the check's extra collective per op would cost latency."""
+        return dataclasses.replace(self, check=False)
 
     def next_seq(self) -> int:
         """Sequence number of the next collective on this group (the same on every member)."""

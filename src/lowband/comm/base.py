@@ -19,6 +19,12 @@ def resolve(op: str, group: Group | None) -> tuple[Context, Group]:
     return world_group(group, op)
 
 
+def checking(ctx: Context, g: Group) -> bool:
+    """Whether ops on ``g`` run the cross-rank argument check: the group's own setting
+    (:meth:`Group.unchecked`), else the runtime's."""
+    return ctx.config.check if g.check is None else g.check
+
+
 def checked_tensor(op: str, ctx: Context, t: object, what: str = "tensor") -> torch.Tensor:
     return validate.check_tensor(op, ctx.rank, t, what)
 

@@ -14,7 +14,15 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import validate
-from lowband.comm.base import check_name, checked_tensor, contiguous_flat, make_handle, nbytes, resolve
+from lowband.comm.base import (
+    check_name,
+    checked_tensor,
+    checking,
+    contiguous_flat,
+    make_handle,
+    nbytes,
+    resolve,
+)
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -50,7 +58,7 @@ def iallreduce(
     t = checked_tensor("allreduce", ctx, tensor)
     name = check_name("allreduce", ctx, name)
     rop = validate.check_reduce_op("allreduce", ctx.rank, op, t.dtype)
-    if ctx.config.check and g.size > 1:
+    if checking(ctx, g) and g.size > 1:
         sig = validate.signature("allreduce", t.dtype, t.shape, _OP_ARG[rop], (), g.size)
         validate.agree("allreduce", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op")
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
@@ -103,7 +111,7 @@ def ibroadcast(
     t = checked_tensor("broadcast", ctx, tensor)
     name = check_name("broadcast", ctx, name)
     root = g.check_rank("broadcast", "root", root)
-    if ctx.config.check and g.size > 1:
+    if checking(ctx, g) and g.size > 1:
         sig = validate.signature("broadcast", t.dtype, t.shape, root, (), g.size)
         validate.agree("broadcast", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="root")
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
@@ -168,7 +176,7 @@ def iallgather(
                 f"lowband.allgather on rank {ctx.rank}: sizes={sizes} must hold {g.size} non-negative first "
                 f"dimensions, this rank's being {src.shape[0]}"
             )
-    if g.size > 1 and (sizes is None or ctx.config.check):
+    if g.size > 1 and (sizes is None or checking(ctx, g)):
         sig = validate.signature("allgather", t.dtype, src.shape, int(t.dim() == 0), (), g.size)
         table = validate.exchange(g, sig, ctx.config.timeout)
         validate.agree("allgather", g, table, vary_dim0=True, arg_name="0-d-ness")
@@ -279,7 +287,7 @@ def ialltoall(
         if recv_splits is None
         else _check_splits("alltoall", ctx.rank, "recv_splits", recv_splits, p, None)
     )
-    if p > 1 and (rsplits is None or ctx.config.check):
+    if p > 1 and (rsplits is None or checking(ctx, g)):
         sig = validate.signature("alltoall", t.dtype, t.shape, 0, send_splits, p)
         table = validate.exchange(g, sig, ctx.config.timeout)
         validate.agree("alltoall", g, table, vary_dim0=True)
@@ -341,7 +349,7 @@ def ireduce_scatter(
             f"lowband.reduce_scatter on rank {ctx.rank}: tensor of shape {tuple(t.shape)} needs a first dimension "
             f"divisible by the group size {p}"
         )
-    if ctx.config.check and p > 1:
+    if checking(ctx, g) and p > 1:
         sig = validate.signature("reduce_scatter", t.dtype, t.shape, _OP_ARG[rop], (), p)
         validate.agree("reduce_scatter", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op")
     out = torch.empty((t.shape[0] // p, *t.shape[1:]), dtype=t.dtype, device=t.device)

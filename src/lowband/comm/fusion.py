@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import validate
-from lowband.comm.base import check_name, checked_tensor, make_handle, nbytes, resolve
+from lowband.comm.base import check_name, checked_tensor, checking, make_handle, nbytes, resolve
 from lowband.comm.collectives import _OP_ARG, _TORCH_OPS, _ring_bytes
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
@@ -69,7 +69,7 @@ def igrouped_allreduce(
             f"lowband.grouped_allreduce on rank {ctx.rank}: fusion_threshold must be >= 0"
         )
     p = g.size
-    if ctx.config.check and p > 1:
+    if checking(ctx, g) and p > 1:
         # One signature for the whole list: count, and a hash of every dtype and shape.
         desc = [d for t in ts for d in (validate.DTYPE_CODES[t.dtype], t.dim(), *t.shape)]
         sig = validate.signature("grouped_allreduce", torch.int64, [len(ts), *desc], _OP_ARG[op], (), p)

@@ -17,7 +17,15 @@ import datetime
 import torch
 
 from lowband.comm import validate
-from lowband.comm.base import check_name, checked_tensor, contiguous_flat, make_handle, nbytes, resolve
+from lowband.comm.base import (
+    check_name,
+    checked_tensor,
+    checking,
+    contiguous_flat,
+    make_handle,
+    nbytes,
+    resolve,
+)
 from lowband.comm.handle import Handle, comm_error
 from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.group import Group
@@ -49,7 +57,7 @@ def isend(
     if dst == g.rank:
         raise InvalidArgumentError(f"lowband.send on rank {ctx.rank}: cannot send to itself (dst={dst})")
     buf = contiguous_flat(t)
-    check = ctx.config.check
+    check = checking(ctx, g)
 
     def issue() -> list[object]:
         works = []
@@ -81,7 +89,7 @@ def irecv(
     if src == g.rank:
         raise InvalidArgumentError(f"lowband.recv on rank {ctx.rank}: cannot receive from itself (src={src})")
     buf = contiguous_flat(t)
-    check = ctx.config.check
+    check = checking(ctx, g)
     head = torch.empty(validate.HEADER + 1, dtype=torch.int64)
     timeout = ctx.config.timeout
 
