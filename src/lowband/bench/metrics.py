@@ -16,6 +16,10 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
 - time to target loss: training time until the moving average of the training loss (window =
   ``smooth`` steps) first reaches the target; the default target is the worst of the strategies' final
   moving averages, so that every strategy reaches it.
+- time to target accuracy: training time at the first held-out evaluation (one per round) reaching the
+  target accuracy; default target: the worst of the strategies' final accuracies.
+- predicted vs measured: strategies with a cost model report ``predicted_step_s``; the table shows it and
+  measured / predicted.
 """
 
 from __future__ import annotations
@@ -64,6 +68,16 @@ def time_to_target(run: dict[str, Any], target: float, window: int) -> float | N
     return None
 
 
+def time_to_accuracy(run: dict[str, Any], target: float | None) -> float | None:
+    """Training time at the first evaluation whose accuracy reaches ``target`` (None if never)."""
+    if target is None:
+        return None
+    for ev in run["evals"]:
+        if ev.get("accuracy") is not None and ev["accuracy"] >= target - 1e-12:
+            return float(ev["wall"])
+    return None
+
+
 def summarize(
     raw: dict[str, Any],
     *,
@@ -73,6 +87,7 @@ def summarize(
     baselines: list[str],
     target_loss: float | None = None,
     smooth: int = 10,
+    target_accuracy: float | None = None,
 ) -> dict[str, Any]:
     """Every reported figure for every strategy of one run (see the module docstring)."""
     runs = raw["runs"]
@@ -80,6 +95,9 @@ def summarize(
     keys = [k for k in runs if k != COMPUTE]
     finals = {k: smoothed([c[2] for c in loss_curve(runs[k])], smooth)[-1] for k in keys}
     target = target_loss if target_loss is not None else max(finals.values())
+    accs = [runs[k]["evals"][-1]["accuracy"] for k in keys if runs[k]["evals"]]
+    if target_accuracy is None and accs and all(a is not None for a in accs):
+        target_accuracy = min(accs)
     rows: dict[str, dict[str, Any]] = {}
     for k in keys:
         run = runs[k]
@@ -97,6 +115,7 @@ def summarize(
         wire = max(max(per_rank_tx), max(per_rank_rx))
         bound = max(compute or 0.0, wire * 8 / link_rate if link_rate else 0.0)
         last_eval = run["evals"][-1] if run["evals"] else {}
+        predicted = run.get("report", {}).get("predicted_step_s")
         rows[k] = {
             "label": run["label"],
             "iter_time_median": it,
@@ -117,6 +136,9 @@ def summarize(
             "train_time": run["segments"][-1]["wall_end"],
             "steps": run["segments"][-1]["first_step"] + len(run["segments"][-1]["step_times"]),
             "in_sync": run["in_sync"],
+            "predicted_iter_time": predicted,
+            "measured_over_predicted": it / predicted if predicted else None,
+            "time_to_target_accuracy": time_to_accuracy(run, target_accuracy),
             "replica_spread": run["replica_spread"],
         }
     for k, row in rows.items():
@@ -129,7 +151,12 @@ def summarize(
             row["speedup_vs"][bk] = rows[bk]["iter_time_median"] / row["iter_time_median"]
             t, tb = row["time_to_target"], rows[bk]["time_to_target"]
             row["time_to_target_ratio_vs"][bk] = tb / t if t and tb else None
-    return {"target_loss": target, "compute_time": compute, "strategies": rows}
+    return {
+        "target_loss": target,
+        "target_accuracy": target_accuracy,
+        "compute_time": compute,
+        "strategies": rows,
+    }
 
 
 def _find(rows: dict[str, Any], name: str) -> str | None:

@@ -31,6 +31,13 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
         "comm not overlapped ms", "bound ms", "efficiency", "final loss", "eval acc",
         f"time to loss {summary['target_loss']:.3f} (s)",
     ] + [f"speed-up vs {b}" for b in baselines]  # fmt: skip
+    tacc = summary.get("target_accuracy")
+    with_pred = any(r.get("predicted_iter_time") for r in rows.values())
+    with_acc = tacc is not None
+    if tacc is not None:
+        head.append(f"time to acc {tacc * 100:.1f}% (s)")
+    if with_pred:
+        head += ["predicted ms", "measured/predicted"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.values():
         acc = r["eval_accuracy"]
@@ -47,6 +54,10 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
             "-" if acc is None else f"{acc * 100:.1f}%",
             _num(r["time_to_target"], "{:.1f}"),
         ] + [_num(r["speedup_vs"].get(b), "{:.2f}x") for b in baselines]  # fmt: skip
+        if with_acc:
+            cells.append(_num(r.get("time_to_target_accuracy"), "{:.1f}"))
+        if with_pred:
+            cells += [_ms(r.get("predicted_iter_time")), _num(r.get("measured_over_predicted"), "{:.2f}")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -80,7 +91,8 @@ def sweep_table(points: list[dict[str, Any]], baseline: str) -> str:
 def plot_all(
     raw: dict[str, Any], summary: dict[str, Any], out: Path, title: str, smooth: int = 10
 ) -> list[Path]:
-    """loss.png (training loss vs time and vs steps), iteration.png (bars), timeline.png (per rank)."""
+    """loss.png (training loss vs time and vs steps), accuracy.png (held-out accuracy vs time, when the
+    workload has one), iteration.png (bars), timeline.png (per rank)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -105,6 +117,23 @@ def plot_all(
     paths.append(out / "loss.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+
+    if any(ev.get("accuracy") is not None for run in runs.values() for ev in run["evals"]):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run in runs.values():
+            pts = [
+                (ev["wall"], ev["accuracy"] * 100) for ev in run["evals"] if ev.get("accuracy") is not None
+            ]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=run["label"])
+        ax.set_xlabel("training time (s)")
+        ax.set_ylabel("held-out accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title(title)
+        fig.tight_layout()
+        paths.append(out / "accuracy.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
 
     rows = summary["strategies"]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))

@@ -162,6 +162,7 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
             "name": run.strategy.name,
             "label": run.strategy.label(),
             "hparams": run.strategy.hparams(),
+            "report": run.strategy.report(),
             "segments": run.segments,
             "evals": run.evals,
             "in_sync": in_sync,

@@ -82,6 +82,11 @@ class Strategy:
         """Name and parameters, for reports."""
         return {}
 
+    def report(self) -> dict[str, Any]:
+        """Figures the strategy knows about itself, for the bench report: e.g. ``predicted_step_s``
+        (a cost model's predicted mean iteration time, compared there with the measured one)."""
+        return {}
+
     def label(self) -> str:
         hp = ", ".join(f"{k}={v}" for k, v in self.hparams().items())
         return f"{self.name}({hp})" if hp else self.name
