@@ -22,6 +22,8 @@ from lowband.group import Group
 OP_CODES: dict[str, int] = {
     "allreduce": 1, "broadcast": 2, "allgather": 3, "alltoall": 4, "reduce_scatter": 5,
     "grouped_allreduce": 6, "send": 7, "barrier": 8,
+    "neighbor_allreduce": 101, "grouped_neighbor_allreduce": 102, "neighbor_allgather": 103,
+    "hierarchical_neighbor_allreduce": 104,
 }  # fmt: skip
 
 DTYPES: tuple[torch.dtype, ...] = (
