@@ -118,3 +118,29 @@ def test_runner_shaped_cli(tmp_path: Path) -> None:
     res = json.loads((out / "results.json").read_text())
     assert res["shaped"] is True and res["link_rate_bits"] == 2e8
     _check({"markdown": proc.stdout}, out)
+
+
+def test_collectives_loopback(tmp_path: Path) -> None:
+    """``--collectives``: every op timed at every size, ratios to the first op, table and plot written."""
+    from lowband.bench.collectives import parse_size
+
+    assert parse_size("16MB") == 16_000_000 and parse_size("4MiB") == 4 * 2**20 and parse_size("64") == 64
+    with pytest.raises(InvalidArgumentError):
+        parse_size("3 parsecs")
+    ops = ["allreduce", "neighbor_allreduce:topology=ring", "neighbor_allreduce:topology=dynamic-exp2"]
+    cfg = BenchConfig(
+        world_size=3, mode="loopback", rounds=2, reps=2, sizes=[4096, 65536], collectives=ops,
+        out_dir=str(tmp_path / "c"),
+    )  # fmt: skip
+    res = run_bench(cfg, timeout=240, quiet=True)
+    rows = res["summary"]["rows"]
+    assert list(rows) == ops
+    for op in ops:
+        for size in ("4096", "65536"):
+            r = rows[op][size]
+            assert r["samples"] == 4 and 0 < r["min_s"] <= r["median_s"] <= r["max_s"]
+    assert rows["allreduce"]["4096"]["ratio_to_allreduce"] == 1.0
+    assert (tmp_path / "c" / "collectives.png").stat().st_size > 1000
+    assert "neighbor_allreduce:topology=ring" in (tmp_path / "c" / "results.md").read_text()
+    with pytest.raises(InvalidArgumentError, match="unknown collective"):
+        BenchConfig(collectives=["allgather_of_doom"]).validate()

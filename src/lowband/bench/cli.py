@@ -27,7 +27,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     b.add_argument(
         "--sweep-world-sizes", default=None, help="comma list of world sizes for a sweep, e.g. 2,3,4"
     )
-    b.add_argument("--list", action="store_true", help="list workloads and strategies and exit")
+    b.add_argument(
+        "--collectives", default=None,
+        help="time these communication ops instead of training, separated by '+', e.g. "
+        "allreduce+neighbor_allreduce:topology=ring+neighbor_allreduce:topology=dynamic-exp2",
+    )  # fmt: skip
+    b.add_argument("--sizes", default="1MB,4MB,16MB", help="message sizes for --collectives (1MB, 4MiB, ...)")
+    b.add_argument("--reps", type=int, default=5, help="timed ops per op, size and round for --collectives")
+    b.add_argument("--list", action="store_true", help="list workloads, strategies and collectives and exit")
     d = sub.add_parser("demo", help="the main job: every strategy on 4 ranks over 100 Mbit/s links (~3 min)")
     _common(d, demo_config())
 
@@ -64,6 +71,16 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
     from lowband.strategies import strategy_names
 
     strategies = ns.strategies.split("+") if ns.strategies else strategy_names()
+    collectives = getattr(ns, "collectives", None)
+    extra: dict[str, object] = {}
+    if collectives:
+        from lowband.bench.collectives import parse_size
+
+        extra = {
+            "collectives": collectives.split("+"),
+            "sizes": [parse_size(x) for x in ns.sizes.split(",")],
+            "reps": ns.reps,
+        }
     out = ns.out or str(Path("results") / f"{cmd}-{time.strftime('%Y%m%d-%H%M%S')}")
     return BenchConfig(
         workload=ns.workload,
@@ -83,6 +100,7 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
         target_loss=ns.target_loss,
         seed=ns.seed,
         out_dir=out,
+        **extra,  # type: ignore[arg-type]
     )
 
 
@@ -111,6 +129,11 @@ def main_bench(ns: argparse.Namespace) -> int:
         print("strategies:")
         for k, v in describe_strategies().items():
             print(f"  {k:12s} {v}")
+        from lowband.bench.collectives import _OPS
+
+        print("collectives (for --collectives):")
+        for k, (_, d) in sorted(_OPS.items()):
+            print(f"  {k:32s} {d}")
         return 0
     cfg = config_from_args(ns, "bench")
     if ns.sweep_rates or ns.sweep_world_sizes:

@@ -40,6 +40,11 @@ class BenchConfig:
     threads: int = 1
     comm_timeout: float = 120.0
     out_dir: str = "results/bench"
+    #: collectives mode (``lowband bench --collectives``): time these ops instead of training
+    collectives: list[str] | None = None
+    #: message sizes in bytes for the collectives mode; each timed ``reps`` times per round
+    sizes: list[int] = field(default_factory=lambda: [1_000_000, 4_000_000, 16_000_000])
+    reps: int = 5
 
     def validate(self) -> None:
         def bad(what: str) -> InvalidArgumentError:
@@ -51,6 +56,22 @@ class BenchConfig:
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
         if not 0 <= self.warmup_rounds < self.rounds:
             raise bad(f"warmup_rounds must be in [0, rounds) = [0, {self.rounds}), got {self.warmup_rounds}")
+        if self.collectives is not None:
+            from lowband.bench.collectives import collective_names
+            from lowband.strategies import parse_strategy_spec
+
+            if not self.collectives:
+                raise bad("give at least one collective")
+            for spec in self.collectives:
+                if parse_strategy_spec(spec)[0] not in collective_names():
+                    raise bad(f"unknown collective {spec!r}; available: {', '.join(collective_names())}")
+            if not self.sizes or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 4 for v in self.sizes
+            ):
+                raise bad(f"sizes must be byte counts >= 4, got {self.sizes}")
+            if self.reps < 1:
+                raise bad(f"reps must be >= 1, got {self.reps}")
+            return
         if not self.strategies:
             raise bad("give at least one strategy")
         from lowband.strategies import parse_strategy_spec, strategy_names

@@ -89,6 +89,8 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False)
         shaped, label = tb.shaped, tb.label()
     raw = json.loads((out / "raw.json").read_text())
     link_rate = layout.bottleneck() if shaped else None
+    if cfg.collectives is not None:
+        return _collectives_results(cfg, raw, out, started, label, shaped, link_rate, tb.reason)
     sharing = cfg.ranks_per_machine if shaped else cfg.world_size
     summary = summarize(
         raw,
@@ -125,6 +127,45 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False)
     (out / "results.md").write_text(md)
     results["markdown"] = md
     results["plots"] = [str(p) for p in plots]
+    return results
+
+
+def _collectives_results(
+    cfg: BenchConfig,
+    raw: dict[str, Any],
+    out: Path,
+    started: str,
+    label: str,
+    shaped: bool,
+    link_rate: float | None,
+    reason: str,
+) -> dict[str, Any]:
+    from lowband.bench.collectives import collectives_table, plot_collectives, summarize_collectives
+
+    summary = summarize_collectives(raw)
+    title = f"collectives, {cfg.world_size} ranks, {label}"
+    results: dict[str, Any] = {
+        "lowband_version": lowband.__version__,
+        "started": started,
+        "config": dataclasses.asdict(cfg),
+        "testbed": label,
+        "shaped": shaped,
+        "link_rate_bits": link_rate,
+        "summary": summary,
+        "raw": raw,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    plot = out / "collectives.png"
+    plot_collectives(summary, cfg.sizes, plot, title)
+    header = (
+        f"### {title}\n\n{cfg.rounds} rounds x {cfg.reps} timed ops per op and size, alternated; "
+        "time = slowest rank, barrier to completion"
+        + ("" if shaped else "\n\n**UNSHAPED** (loopback): " + reason)
+    )
+    md = f"{header}\n\n{collectives_table(summary, cfg.sizes)}\n"
+    (out / "results.md").write_text(md)
+    results["markdown"] = md
+    results["plots"] = [str(plot)]
     return results
 
 

@@ -128,6 +128,19 @@ def _replica_spread(s: Strategy) -> float:
 
 def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.threads)
+    if cfg.collectives is not None:
+        from lowband.bench.collectives import run_collectives
+
+        res = run_collectives(
+            cfg.collectives,
+            cfg.sizes,
+            rounds=cfg.rounds,
+            reps=cfg.reps,
+            iface_bytes=_iface_bytes,
+            progress=_progress,
+        )
+        res["testbed_shaped"] = os.environ.get("LOWBAND_TESTBED_SHAPED", "0") == "1"
+        return res if lowband.rank() == 0 else None
     r, n = lowband.rank(), lowband.size()
     wl = get_workload(cfg.workload)
     bs = cfg.batch_size or wl.default_batch_size
