@@ -1,0 +1,78 @@
+"""DreamDDP: local SGD with partial synchronisation, scheduled to hide communication behind backward.
+
+Pure maths (no communication): the cost model (``costmodel``: per-layer costs, the Eq. 7 event model,
+the Eq. 8 objective), the schedule type (``schedule``), DreamDDP's Algorithm 2 with bubble filling
+(``algorithm2``) and the other schedulers with their registry (``schedulers``).
+
+Quick use::
+
+    from lowband.localsgd import random_profile, make_schedule
+    p = random_profile(30, seed=0, comm_ratio=2.0)
+    s = make_schedule("dreamddp", p, 5)      # s.sets[h]: layers averaged in local iteration h
+    s.layers_at(step)                        # layers to average at global step `step`
+"""
+
+from lowband.localsgd.algorithm2 import (
+    count_dreamddp_solutions,
+    dreamddp_sets,
+    dreamddp_solutions,
+    fill_bubbles,
+    schedule_dreamddp,
+)
+from lowband.localsgd.costmodel import (
+    CostProfile,
+    IntervalCosts,
+    LayerCost,
+    comm_end,
+    eq8_set_cost,
+    exposed_comm_time,
+    flsgd_period_time,
+    iteration_time,
+    iteration_times,
+    objective_eq8,
+    period_time,
+    random_profile,
+)
+from lowband.localsgd.schedule import Schedule, check_period
+from lowband.localsgd.schedulers import (
+    SCHEDULERS,
+    make_schedule,
+    schedule_bruteforce,
+    schedule_enp,
+    schedule_full,
+    schedule_optimal,
+    scheduler_names,
+)
+
+# --- profiler (localsgd/profiler.py) and runtime (localsgd/runtime.py) exports go below this line. ---
+# They are owned by another module; this package deliberately does not import them here so that the
+# pure-maths part above imports on its own. Their owner adds their imports and __all__ entries here.
+
+__all__ = [
+    "SCHEDULERS",
+    "CostProfile",
+    "IntervalCosts",
+    "LayerCost",
+    "Schedule",
+    "check_period",
+    "comm_end",
+    "count_dreamddp_solutions",
+    "dreamddp_sets",
+    "dreamddp_solutions",
+    "eq8_set_cost",
+    "exposed_comm_time",
+    "fill_bubbles",
+    "flsgd_period_time",
+    "iteration_time",
+    "iteration_times",
+    "make_schedule",
+    "objective_eq8",
+    "period_time",
+    "random_profile",
+    "schedule_bruteforce",
+    "schedule_dreamddp",
+    "schedule_enp",
+    "schedule_full",
+    "schedule_optimal",
+    "scheduler_names",
+]
