@@ -70,7 +70,8 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False)
                 stdout=stdouts,
                 stderr=logs,
             )
-            bar = tqdm(desc=f"bench {cfg.workload}, {tb.label()}", unit="seg", disable=quiet, file=sys.stderr)
+            what = "collectives" if cfg.collectives is not None else cfg.workload
+            bar = tqdm(desc=f"bench {what}, {tb.label()}", unit="seg", disable=quiet, file=sys.stderr)
             follower = threading.Thread(target=_follow, args=(procs[0].stdout, bar, logs[0]), daemon=True)
             follower.start()
             codes = tb.wait(procs, timeout)

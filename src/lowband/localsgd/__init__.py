@@ -33,6 +33,19 @@ from lowband.localsgd.costmodel import (
     period_time,
     random_profile,
 )
+
+# the profiler (measures), the runtime (averages layers in place) and the strategies built on them
+from lowband.localsgd.divergence import model_divergence
+from lowband.localsgd.profiler import (
+    fit_comm,
+    load_profile,
+    measure_comm,
+    profile_model,
+    refit_comm,
+    save_profile,
+    with_comm,
+)
+from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule, check_period
 from lowband.localsgd.schedulers import (
     SCHEDULERS,
@@ -43,16 +56,17 @@ from lowband.localsgd.schedulers import (
     schedule_optimal,
     scheduler_names,
 )
-
-# --- profiler (localsgd/profiler.py) and runtime (localsgd/runtime.py) exports go below this line. ---
-# They are owned by another module; this package deliberately does not import them here so that the
-# pure-maths part above imports on its own. Their owner adds their imports and __all__ entries here.
+from lowband.localsgd.strategy import FLSGDOverlapStrategy, PartialSyncStrategy, PLSGDENPStrategy
 
 __all__ = [
     "SCHEDULERS",
     "CostProfile",
+    "FLSGDOverlapStrategy",
     "IntervalCosts",
+    "LayerAverager",
     "LayerCost",
+    "PLSGDENPStrategy",
+    "PartialSyncStrategy",
     "Schedule",
     "check_period",
     "comm_end",
@@ -62,17 +76,25 @@ __all__ = [
     "eq8_set_cost",
     "exposed_comm_time",
     "fill_bubbles",
+    "fit_comm",
     "flsgd_period_time",
     "iteration_time",
     "iteration_times",
+    "load_profile",
     "make_schedule",
+    "measure_comm",
+    "model_divergence",
     "objective_eq8",
     "period_time",
+    "profile_model",
     "random_profile",
+    "refit_comm",
+    "save_profile",
     "schedule_bruteforce",
     "schedule_dreamddp",
     "schedule_enp",
     "schedule_full",
     "schedule_optimal",
     "scheduler_names",
+    "with_comm",
 ]

@@ -5,6 +5,7 @@ Registered here: ``ddp`` (S-SGD with torch DDP), ``powersgd`` (DDP + PowerSGD ho
 from its own package the same way.
 """
 
+from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers "dreamddp", "plsgd-enp", "flsgd-overlap")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
 from lowband.strategies import localsgd as _localsgd  # noqa: F401  (registers "localsgd")
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy

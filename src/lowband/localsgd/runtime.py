@@ -1,0 +1,173 @@
+"""The mechanics of partial synchronisation: average a layer's parameters in place, overlapped with the
+rest of backward, and make sure every later reader waits for it.
+
+:class:`LayerAverager` is the state a strategy keeps apart from its hooks (as torch's ``PowerSGDState``):
+
+- ``begin(step, fwd_indices)`` before a backward names the layers to average in it. The strategy's
+  :class:`~lowband.optim.LayerwiseOptimizer` calls :meth:`on_layer` right after stepping a layer; the
+  layer's nonblocking, in-place ``igrouped_allreduce`` (average) starts there, while the backward of
+  earlier layers goes on. Its parameters are read by no one until the next forward, and every module that
+  holds one of them waits for the handle in a forward pre-hook (tied weights included); the layer's inner
+  optimizer waits in a step pre-hook too.
+- Launches follow one canonical order on every rank, the reverse of the forward order (the profile's),
+  whatever order the autograd engine makes layers ready in: a layer ready early waits until the layers
+  before it in that order are launched. Collectives therefore match across ranks; when the engine's
+  order is the canonical one (the usual case) each layer is launched the moment it is ready.
+  :meth:`flush` after the backward launches whatever is left, so every rank launches the same ops.
+- Memory: the parameters themselves are the buffers; a layer's small tensors travel in one fusion
+  buffer (the runtime's ``fusion_threshold``), so at most a per-layer buffer is added.
+- With ``timing`` on, each averaging's completion time is recorded (a ``Handle.then`` callback) and
+  :meth:`take_comm_samples` returns ``(bytes, service seconds)`` per averaging, service time being the
+  time from ``max(launch, previous completion)`` to completion (averagings queue on one link). The
+  averaged values are then written back on torch's callback thread, which is safe: nothing reads the
+  layer before waiting for it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowband.comm.fusion import igrouped_allreduce
+from lowband.comm.handle import Handle
+from lowband.group import Group
+
+
+class LayerAverager:
+    """In-place, overlapped averaging of whole layers on ``group`` (pass an unchecked group: the
+    strategy validates the layout once)."""
+
+    def __init__(self, layers: Sequence[tuple[str, Sequence[nn.Parameter]]], group: Group) -> None:
+        self.layers = [(name, list(ps)) for name, ps in layers]
+        self.group = group
+        self.n = len(self.layers)
+        self.nbytes = [sum(p.numel() * p.element_size() for p in ps) for _, ps in self.layers]
+        #: layer index of each forward index (the canonical order); identity until :meth:`set_order`
+        self.fwd_to_layer = list(range(self.n))
+        self.launch_counts = [0] * self.n
+        #: the step at which each layer was last averaged (-1: never)
+        self.last_sync = [-1] * self.n
+        #: the most local steps any layer went through between two averagings (the first from step 0)
+        self.max_gap = [0] * self.n
+        self.timing = False
+        self._pending: dict[int, Handle[Any]] = {}
+        self._order: list[int] = []
+        self._ready = [False] * self.n
+        self._cursor = 0
+        self._step = 0
+        self._log: list[list[float]] = []  # [launch time, bytes, completion time (nan until known)]
+        self._hooks: list[Any] = []
+
+    # -- setup ------------------------------------------------------------------------------------
+    def set_order(self, fwd_to_layer: Sequence[int]) -> None:
+        """Canonical order: ``fwd_to_layer[f]`` is the layer index of forward index ``f``."""
+        self.fwd_to_layer = list(fwd_to_layer)
+
+    def attach(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Forward pre-hooks on every module holding a layer's parameter, and a step pre-hook on each
+        layer's inner optimizer (``optimizers[i]`` steps layer ``i``), that wait for pending averagings."""
+        layer_of = {id(p): i for i, (_, ps) in enumerate(self.layers) for p in ps}
+        for mod in model.modules():
+            idx = sorted({layer_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in layer_of})
+            if idx:
+                self._hooks.append(mod.register_forward_pre_hook(self._forward_waiter(tuple(idx))))
+        for i, opt in enumerate(optimizers):
+            self._hooks.append(opt.register_step_pre_hook(self._step_waiter(i)))
+
+    def _forward_waiter(self, idx: tuple[int, ...]) -> Callable[..., None]:
+        def hook(_m: nn.Module, _args: Any) -> None:
+            if self._pending:
+                for i in idx:
+                    self.wait_layer(i)
+
+        return hook
+
+    def _step_waiter(self, i: int) -> Callable[..., None]:
+        def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+            if self._pending:
+                self.wait_layer(i)
+
+        return hook
+
+    def detach(self) -> None:
+        """Remove the hooks (pending averagings are waited for first)."""
+        self.wait_all()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # -- one backward -----------------------------------------------------------------------------
+    def begin(self, step: int, fwd_indices: Sequence[int]) -> None:
+        """Average the layers of forward indices ``fwd_indices`` in the coming backward of ``step``."""
+        self._step = step
+        self._order = [self.fwd_to_layer[f] for f in sorted(set(fwd_indices), reverse=True)]
+        self._ready = [False] * self.n
+        self._cursor = 0
+
+    def on_layer(self, i: int) -> None:
+        """Layer ``i`` was just updated: launch it (and any layer waiting on it) if scheduled."""
+        self._ready[i] = True
+        order = self._order
+        while self._cursor < len(order) and self._ready[order[self._cursor]]:
+            self._launch(order[self._cursor])
+            self._cursor += 1
+
+    def flush(self) -> None:
+        """Launch the scheduled layers not launched yet (after the backward)."""
+        while self._cursor < len(self._order):
+            self._launch(self._order[self._cursor])
+            self._cursor += 1
+
+    def _launch(self, i: int) -> None:
+        name, ps = self.layers[i]
+        self.wait_layer(i)  # never two averagings of one layer in flight
+        h = igrouped_allreduce(
+            [p.detach() for p in ps], inplace=True, name=f"partial-sync:{name}", group=self.group
+        )
+        self._pending[i] = h
+        self.launch_counts[i] += 1
+        self.max_gap[i] = max(self.max_gap[i], self._step - self.last_sync[i])
+        self.last_sync[i] = self._step
+        if self.timing and self.group.size > 1:
+            entry = [time.perf_counter(), float(self.nbytes[i]), math.nan]
+
+            def record(_result: object, entry: list[float] = entry) -> None:
+                entry[2] = time.perf_counter()
+
+            self._log.append(entry)
+            self._pending[i] = h.then(record)
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def pending(self) -> int:
+        """Number of averagings launched and not waited for."""
+        return len(self._pending)
+
+    def wait_layer(self, i: int) -> None:
+        """Wait (bounded by the runtime's timeout) for layer ``i``'s pending averaging, if any."""
+        h = self._pending.pop(i, None)
+        if h is not None:
+            h.wait()
+
+    def wait_all(self) -> None:
+        """Wait for every pending averaging, in launch order."""
+        for i in list(self._pending):
+            self.wait_layer(i)
+
+    # -- measurements -----------------------------------------------------------------------------
+    def take_comm_samples(self) -> list[tuple[int, float]]:
+        """``(bytes, service seconds)`` of the averagings timed since the last call (call after
+        :meth:`wait_all`; averagings whose completion was not recorded yet are skipped)."""
+        out: list[tuple[int, float]] = []
+        prev_done = -math.inf
+        for launch, nb, done in self._log:
+            if math.isnan(done):
+                continue
+            out.append((int(nb), max(0.0, done - max(launch, prev_done))))
+            prev_done = max(prev_done, done)
+        self._log = []
+        return out

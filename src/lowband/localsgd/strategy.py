@@ -1,0 +1,340 @@
+"""Local SGD with partial synchronisation as lowband strategies: DreamDDP, PLSGD-ENP, FLSGD overlapped.
+
+Algorithm 1 of the paper, per rank: every step updates each layer as soon as its gradient is ready (a
+:class:`~lowband.optim.LayerwiseOptimizer`: any torch optimizer, stepped layer by layer from backward
+hooks), and the layers the schedule names for this local iteration (``schedule.layers_at(step)``) are
+then averaged in place across ranks, overlapped with the backward of earlier layers
+(:class:`~lowband.localsgd.runtime.LayerAverager`). Before a layer's next forward its averaging is done.
+
+- ``dreamddp``: the schedule of DreamDDP's Algorithm 2 with bubble filling; ``plsgd-enp``: equal-number
+  partition; ``flsgd-overlap``: every layer averaged in local iteration H, still overlapped with that
+  iteration's backward (the non-overlapped FLSGD baseline is the ``localsgd`` strategy).
+- The schedule comes from, in order: ``schedule=`` (a :class:`Schedule`, forward indices into the
+  profile's layers, or into ``parameter_layers`` order when no profile is given); ``profile=`` (a saved
+  profile's JSON path, or a :class:`CostProfile`), scheduled at construction; else the model is profiled
+  lazily at the first :meth:`train_step`, on its batch, before training on it: ``profile_model`` runs
+  a few extra forward/backward passes with the optimizer hooks off and leaves the model unchanged, so
+  training is exactly as if that profile had been given. Profiles are reduced across ranks, so every
+  rank builds the same schedule; each (re)schedule is checked across ranks (one small allgather).
+- ``reprofile_drift > 0``: the per-layer averagings are timed in flight; at each period boundary the
+  ranks agree (one 2-float allreduce) on the seconds per byte they achieved, the first period after a
+  (re)schedule being the baseline. When it moved by more than that fraction, the links are re-measured
+  (``refit_comm``), and the schedule rebuilt, identically on all ranks, from the next period on.
+- ``divergence_every > 0``: log Gamma (the model divergence) every that many steps (``divergence_log``).
+- Buffers (BatchNorm statistics) are not averaged, and the initial parameters are not broadcast: seed
+  the model identically on every rank (Algorithm 1 starts from one ``w_0``).
+"""
+
+from __future__ import annotations
+
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowband.comm.collectives import allgather, allreduce
+from lowband.errors import CollectiveMismatchError, InvalidArgumentError
+from lowband.group import Group
+from lowband.localsgd.costmodel import CostProfile
+from lowband.localsgd.divergence import model_divergence
+from lowband.localsgd.profiler import load_profile, profile_model, refit_comm
+from lowband.localsgd.runtime import LayerAverager
+from lowband.localsgd.schedule import Schedule
+from lowband.localsgd.schedulers import make_schedule
+from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
+from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.registry import register_strategy
+
+DEFAULT_PERIOD = 5
+
+
+def _crc(obj: object) -> int:
+    return zlib.crc32(repr(obj).encode())
+
+
+@register_strategy(
+    "dreamddp", "DreamDDP: partial-sync local SGD, layers averaged in place during backward, bubble filling"
+)
+class PartialSyncStrategy(Strategy):
+    name = "dreamddp"
+    #: the scheduler (``lowband.localsgd.make_schedule`` method) of this variant
+    method = "dreamddp"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        group: Group,
+        *,
+        period: int | None = None,
+        profile: str | Path | CostProfile | None = None,
+        schedule: Schedule | None = None,
+        reprofile_drift: float = 0.0,
+        divergence_every: int = 0,
+    ) -> None:
+        where = f"{type(self).__name__} on rank {group.world_rank}"
+        self._where = where
+        if schedule is not None and not isinstance(schedule, Schedule):
+            raise InvalidArgumentError(f"{where}: schedule must be a Schedule, got {type(schedule).__name__}")
+        if period is None:
+            period = schedule.period if schedule is not None else DEFAULT_PERIOD
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise InvalidArgumentError(f"{where}: period must be an int >= 1, got {period!r}")
+        if schedule is not None and schedule.period != period:
+            raise InvalidArgumentError(
+                f"{where}: period={period} but the schedule's period is {schedule.period}"
+            )
+        ok = isinstance(reprofile_drift, (int, float)) and not isinstance(reprofile_drift, bool)
+        if not ok or not 0.0 <= float(reprofile_drift) < float("inf"):
+            raise InvalidArgumentError(
+                f"{where}: reprofile_drift must be a number >= 0, got {reprofile_drift!r}"
+            )
+        if (
+            isinstance(divergence_every, bool)
+            or not isinstance(divergence_every, int)
+            or divergence_every < 0
+        ):
+            raise InvalidArgumentError(
+                f"{where}: divergence_every must be an int >= 0, got {divergence_every!r}"
+            )
+        if isinstance(profile, (str, Path)):
+            profile = load_profile(profile)
+        elif profile is not None and not isinstance(profile, CostProfile):
+            raise InvalidArgumentError(
+                f"{where}: profile must be a JSON path or a CostProfile, got {type(profile).__name__}"
+            )
+        if reprofile_drift > 0 and schedule is not None and profile is None:
+            raise InvalidArgumentError(
+                f"{where}: reprofile_drift={reprofile_drift} re-schedules from a profile; give profile= "
+                "with a fixed schedule, or no schedule"
+            )
+        layers = parameter_layers(model)
+        if not layers:
+            raise InvalidArgumentError(f"{where}: the model has no trainable parameters")
+        self.period = period
+        self.reprofile_drift = float(reprofile_drift)
+        self.divergence_every = divergence_every
+        self.profile: CostProfile | None = None
+        self.schedule: Schedule | None = None
+        self.reschedules = 0
+        self.divergence_log: list[tuple[int, float]] = []
+        self._baseline: float | None = None  # seconds per byte achieved in the first timed period
+        self._names = [n for n, _ in layers]
+        self.averager = LayerAverager(layers, group.unchecked())
+        self.averager.timing = self.reprofile_drift > 0 and group.size > 1
+        lw = LayerwiseOptimizer(layers, make_optimizer, on_layer=self.averager.on_layer)
+        super().__init__(model, lw, group)
+        self.averager.attach(model, lw.optimizers)
+        try:
+            if profile is not None:
+                self._set_profile(profile)
+            if schedule is not None:
+                schedule.validate(len(layers))
+                self.schedule = schedule
+            elif self.profile is not None:
+                self.schedule = make_schedule(self.method, self.profile, period)
+            # one allgather: same layers (names, shapes, dtypes), period, variant and schedule everywhere
+            layout = [(n, [(tuple(p.shape), str(p.dtype)) for p in ps]) for n, ps in layers]
+            self._agree(
+                "the model's layers, the period, the variant and the schedule",
+                [len(layers), _crc(layout), period, _crc(self.method), self._schedule_crc()],
+            )
+        except BaseException:
+            self.close()  # leave the model without our hooks
+            raise
+
+    # -- schedule and profile ---------------------------------------------------------------------
+    def _set_profile(self, profile: CostProfile) -> None:
+        names = [lc.name for lc in profile.layers]
+        if sorted(names) != sorted(self._names):
+            raise InvalidArgumentError(
+                f"{self._where}: the profile's layers {names} are not the model's layers {self._names}"
+            )
+        self.profile = profile
+        self.averager.set_order([self._names.index(n) for n in names])
+
+    def _schedule_crc(self) -> int:
+        s = self.schedule
+        return (
+            0 if s is None else _crc((s.period, s.sets, [self._names[i] for i in self.averager.fwd_to_layer]))
+        )
+
+    def _agree(self, what: str, values: list[int]) -> None:
+        """Raise :class:`CollectiveMismatchError` on every rank unless all ranks passed equal ``values``."""
+        g = self.group
+        mine = torch.tensor(values, dtype=torch.int64)
+        table = allgather(mine, group=g).view(g.size, len(values)).tolist()
+        bad = [g.ranks[r] for r, row in enumerate(table) if row != table[0]]
+        if bad:
+            raise CollectiveMismatchError(
+                f"{self._where}: ranks {bad} differ from rank {g.ranks[0]} in {what}"
+            )
+
+    def _reschedule(self, profile: CostProfile) -> None:
+        self._set_profile(profile)
+        sched = make_schedule(self.method, profile, self.period)
+        sched.validate(len(self._names))
+        self.schedule = sched
+        self._agree("the schedule", [self._schedule_crc()])
+
+    def _profile_now(self, loss_fn: LossFn) -> None:
+        assert isinstance(self.optimizer, LayerwiseOptimizer)
+        self.optimizer.enabled = False
+        try:
+            prof = profile_model(self.local_module, loss_fn, group=self.group)
+        finally:
+            self.optimizer.enabled = True
+        self._reschedule(prof)
+
+    def predicted_step_time(self) -> float | None:
+        """The schedule's predicted mean iteration time in seconds (None before the schedule exists)."""
+        s = self.schedule
+        return None if s is None else s.predicted_period / s.period
+
+    # -- training ---------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.schedule is None:
+            raise InvalidArgumentError(
+                f"{self._where}: no schedule yet; call train_step (it profiles on its first batch), or "
+                "give profile= or schedule="
+            )
+        self.averager.begin(self.steps, self.schedule.layers_at(self.steps))
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.averager.flush()
+
+    def train_step(self, loss_fn: LossFn) -> float:
+        """One local iteration (see the module doc); profiles and schedules first if there is no schedule."""
+        if self.schedule is None:
+            self._profile_now(loss_fn)
+        loss = super().train_step(loss_fn)
+        if self.averager.timing and self.steps % self.period == 0:
+            self._check_drift()
+        if self.divergence_every and self.steps % self.divergence_every == 0:
+            self.synchronize()
+            gamma = model_divergence([ps for _, ps in self.averager.layers], group=self.averager.group)
+            self.divergence_log.append((self.steps, gamma))
+        return loss
+
+    def _check_drift(self) -> None:
+        """At a period boundary: agree on the achieved seconds per byte; re-fit and re-schedule on drift."""
+        assert self.profile is not None
+        self.synchronize()
+        samples = self.averager.take_comm_samples()
+        local = torch.tensor(
+            [sum(t for _, t in samples), float(sum(nb for nb, _ in samples))], dtype=torch.float64
+        )
+        tot_s, tot_b = allreduce(local, "sum", group=self.averager.group).tolist()
+        if tot_b <= 0 or tot_s <= 0:
+            return
+        spb = tot_s / tot_b
+        if self._baseline is None:
+            self._baseline = spb
+        elif abs(spb / self._baseline - 1.0) > self.reprofile_drift:
+            self._reschedule(refit_comm(self.profile, self.group))
+            self.reschedules += 1
+            self._baseline = None
+
+    def synchronize(self) -> None:
+        """Wait for every in-flight averaging."""
+        self.averager.wait_all()
+
+    def in_sync(self) -> bool:
+        """True when the last step averaged every layer (H = 1, or ``full`` at the end of a period)."""
+        s = self.schedule
+        return s is not None and self.steps > 0 and len(s.layers_at(self.steps - 1)) == len(self._names)
+
+    # -- reports and checkpoints ------------------------------------------------------------------
+    def hparams(self) -> dict[str, Any]:
+        hp: dict[str, Any] = {"H": self.period}
+        if self.reprofile_drift:
+            hp["drift"] = self.reprofile_drift
+        return hp
+
+    def report(self) -> dict[str, Any]:
+        s = self.schedule
+        out: dict[str, Any] = {
+            "predicted_step_s": self.predicted_step_time(),
+            "schedule_method": None if s is None else s.method,
+            "schedule": None if s is None else [list(x) for x in s.sets],
+            "layers": [self._names[i] for i in self.averager.fwd_to_layer],
+            "averagings": list(self.averager.launch_counts),
+            "max_gap": list(self.averager.max_gap),
+            "reschedules": self.reschedules,
+        }
+        if self.divergence_log:
+            out["divergence"] = self.divergence_log[-1][1]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint (every rank at once: the restored schedule is checked across ranks)."""
+        self.synchronize()
+        super().load_state_dict(state)
+
+    def extra_state(self) -> dict[str, Any]:
+        a = self.averager
+        return {
+            "profile": None if self.profile is None else self.profile.to_json(),
+            "schedule": None if self.schedule is None else self.schedule.to_json(),
+            "order": [self._names[i] for i in a.fwd_to_layer],
+            "launch_counts": list(a.launch_counts),
+            "last_sync": list(a.last_sync),
+            "max_gap": list(a.max_gap),
+            "reschedules": self.reschedules,
+            "baseline": self._baseline,
+            "divergence_log": list(self.divergence_log),
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        where = f"{self._where}.load_state_dict"
+        if "schedule" not in state or "order" not in state:
+            raise InvalidArgumentError(f"{where}: checkpoint has no partial-synchronisation state")
+        order = list(state["order"])
+        if sorted(order) != sorted(self._names):
+            raise InvalidArgumentError(
+                f"{where}: checkpoint layers {order} are not the model's {self._names}"
+            )
+        if state["profile"] is not None:
+            self._set_profile(CostProfile.from_json(state["profile"]))
+        self.averager.set_order([self._names.index(n) for n in order])
+        if state["schedule"] is not None:
+            sched = Schedule.from_json(state["schedule"])
+            sched.validate(len(self._names))
+            self.schedule, self.period = sched, sched.period
+        a = self.averager
+        n = len(self._names)
+        for key in ("launch_counts", "last_sync", "max_gap"):
+            vals = [int(x) for x in state.get(key, getattr(a, key))]
+            if len(vals) != n:
+                raise InvalidArgumentError(f"{where}: {key} has {len(vals)} entries, the model {n} layers")
+            setattr(a, key, vals)
+        self.reschedules = int(state.get("reschedules", 0))
+        self._baseline = state.get("baseline")
+        self.divergence_log = [(int(s), float(g)) for s, g in state.get("divergence_log", [])]
+        self._agree("the restored schedule", [self._schedule_crc(), self.period])
+
+    def close(self) -> None:
+        self.averager.detach()
+        assert isinstance(self.optimizer, LayerwiseOptimizer)
+        self.optimizer.remove_hooks()
+
+
+@register_strategy(
+    "plsgd-enp", "PLSGD-ENP: partial-sync local SGD, equal-number partition of the layers over H iterations"
+)
+class PLSGDENPStrategy(PartialSyncStrategy):
+    name = "plsgd-enp"
+    method = "enp"
+
+
+@register_strategy(
+    "flsgd-overlap", "FLSGD with every layer averaged in iteration H, overlapped with its backward"
+)
+class FLSGDOverlapStrategy(PartialSyncStrategy):
+    name = "flsgd-overlap"
+    method = "full"
