@@ -124,7 +124,7 @@ def prepare_reduction(
     peer). Returns ``(issue, finish, bytes_sent, bytes_received)``; ``finish`` returns each flat's result in
     the accumulation dtype: ``self_weight * flat + sum(weight_j * received_j)``."""
     tags = [next_tag(ctx, g) for _ in flats]
-    outs = [f.to(_acc_dtype(f.dtype)).mul(rt.self_weight) for f in flats]
+    outs: list[Tensor] = []
     scaled: list[dict[float, Tensor]] = []
     for f in flats:
         copies: dict[float, Tensor] = {}
@@ -143,6 +143,8 @@ def prepare_reduction(
         for f, tag, copies in zip(flats, tags, scaled):
             if f.numel():
                 works += [pg.send([copies[s]], dst, tag) for dst, s in rt.send]
+        # the self term is computed while the messages are on the wire
+        outs.extend(f.to(_acc_dtype(f.dtype)).mul(rt.self_weight) for f in flats)
         return works
 
     def finish() -> list[Tensor]:
