@@ -1,4 +1,5 @@
 """Compatibility layers: other libraries' public APIs, implemented on lowband.
 
-- :mod:`lowband.compat.bluefog`: BlueFog (``bluefog.common.topology_util`` so far).
+- :mod:`lowband.compat.bluefog`: BlueFog (``bluefog.torch`` as :mod:`lowband.compat.bluefog.torch`, and
+  ``bluefog.common.topology_util``).
 """

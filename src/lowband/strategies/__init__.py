@@ -5,6 +5,7 @@ Registered here: ``ddp`` (S-SGD with torch DDP), ``powersgd`` (DDP + PowerSGD ho
 from its own package the same way.
 """
 
+from lowband.decentral import strategies as _decentral  # noqa: F401  (registers atc, awc, hierarchical-atc, winput, gradient-allreduce)
 from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers "dreamddp", "plsgd-enp", "flsgd-overlap")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
 from lowband.strategies import localsgd as _localsgd  # noqa: F401  (registers "localsgd")

@@ -1,0 +1,112 @@
+"""Adapt-Then-Combine (BlueFog paper §V-C, Eq. 23): ``x_i <- sum_j w_ij (x_j - lr * g_j(x_j))``.
+
+Each layer is stepped by its own torch optimizer as soon as its gradients are complete in backward
+(:class:`lowband.optim.LayerwiseOptimizer`), and right then the nonblocking combination of that layer's
+updated parameters starts (one fused operation per layer), so it overlaps the backward of the layers
+before it and everything up to that layer's next forward. It is completed, and the combined values
+written into the parameters, in the layer's forward pre-hook of the next iteration, before the layer's
+next optimizer step, or at :meth:`~AdaptThenCombineOptimizer.synchronize` (call it before reading the
+parameters otherwise: evaluation, checkpoints).
+
+With momentum or Adam the inner optimizer adapts from the combined iterate of the previous iteration;
+its state (momentum buffers, moments) stays local.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from lowband.decentral.combine import CommunicationType, write_back
+from lowband.decentral.optim_base import DecentralizedOptimizer
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim import LayerwiseOptimizer
+from lowband.optim.layerwise import OptimizerFactory
+from lowband.topology import DynamicTopology, Topology
+
+
+class AdaptThenCombineOptimizer(DecentralizedOptimizer):
+    """ATC decentralized optimizer wrapping the torch optimizer ``make_optimizer`` builds (one per layer).
+
+    Use it like any optimizer: ``loss.backward(); opt.step()`` (the layers are already stepped in
+    backward; ``step()`` closes the iteration). ``topology`` is a static :class:`Topology` or a
+    :class:`DynamicTopology`; ``machine_topology`` likewise, for
+    ``CommunicationType.hierarchical_neighbor_allreduce``. See :class:`DecentralizedOptimizer` for the
+    knobs. One backward per step; every rank must use the same layers in each backward.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        communication_type: CommunicationType | str = CommunicationType.neighbor_allreduce,
+        topology: Topology | DynamicTopology | None = None,
+        machine_topology: Topology | DynamicTopology | None = None,
+        num_steps_per_communication: int = 1,
+        group: Group | None = None,
+    ) -> None:
+        _, layers = self.model_layers("AdaptThenCombineOptimizer", model, group)
+        self.layerwise = LayerwiseOptimizer(layers, make_optimizer, on_layer=self._adapted)
+        self.inner = self.layerwise
+        self._launched: set[int] = set()
+        try:
+            super().__init__(
+                model,
+                layers,
+                group,
+                communication_type=communication_type,
+                topology=topology,
+                machine_topology=machine_topology,
+                num_steps_per_communication=num_steps_per_communication,
+            )
+        except BaseException:
+            self.layerwise.remove_hooks()  # leave the model as it was
+            raise
+        for i, opt in enumerate(self.layerwise.optimizers):
+            self._hooks.append(opt.register_step_pre_hook(functools.partial(self._before_layer_step, i)))
+        self.forward_pre_hooks(self._complete)
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _adapted(self, i: int) -> None:
+        """Layer ``i`` was just stepped (in backward): start combining it."""
+        pending = self.launch_layer(i)
+        self._launched.add(i)
+        if pending is not None:
+            self._pending[i] = pending
+
+    def _before_layer_step(self, i: int, _opt: Any, _args: Any, _kwargs: Any) -> None:
+        self._complete([i])
+
+    def _complete(self, layers: list[int]) -> None:
+        """Wait for the combination of ``layers`` (if in flight) and write it into their parameters."""
+        for i in layers:
+            pending = self._pending.pop(i, None)
+            if pending is not None:
+                write_back(self.layers[i][1], pending.wait())
+
+    # -- the Optimizer interface ------------------------------------------------------------------
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Close the iteration: step any layer that still holds gradients, start combining any layer
+        not yet sent in a communicating iteration (in layer order), advance the counters."""
+        if closure is not None:
+            raise InvalidArgumentError(f"{self.where}: step(closure) is not supported")
+        self.layerwise.step()
+        for i in range(len(self.layers)):
+            if i not in self._launched:
+                self._adapted(i)
+        self._launched.clear()
+        self.end_iteration()
+        return None
+
+    def synchronize(self) -> None:
+        """Complete every combination in flight (in layer order) and write it into the parameters."""
+        self._complete(sorted(self._pending))
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self.layerwise.remove_hooks()

@@ -1,0 +1,93 @@
+"""Adapt-With-Combine (BlueFog paper §V-C, Eq. 22): ``x_i <- sum_j w_ij x_j - lr * g_i(x_i)``.
+
+In each layer's forward pre-hook (training mode, gradients enabled, communicating iteration, first
+forward of the iteration) the nonblocking combination of the layer's current parameters starts, out of
+place, so it overlaps the whole forward and backward; the gradient is computed at the local
+parameters. :meth:`~AdaptWithCombineOptimizer.step` waits for the combinations, sets every parameter to
+its combined value and then runs the inner torch optimizer, which applies the local gradient there.
+
+With momentum or Adam the inner optimizer's state is built from local gradients but applied to the
+combined iterate: the state follows the combined iterate, as in BlueFog's AWC optimizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lowband.decentral.combine import CommunicationType, write_back
+from lowband.decentral.optim_base import DecentralizedOptimizer
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.layerwise import OptimizerFactory
+from lowband.topology import DynamicTopology, Topology
+
+
+class AdaptWithCombineOptimizer(DecentralizedOptimizer):
+    """AWC decentralized optimizer wrapping the torch optimizer ``make_optimizer`` builds over the
+    model's parameters.
+
+    ``forward -> backward -> step()``. ``topology`` is a static :class:`Topology` or a
+    :class:`DynamicTopology`; ``machine_topology`` likewise for the hierarchical type. See
+    :class:`DecentralizedOptimizer` for the knobs (set them before the forward). Every rank must run
+    the same layers in each forward; layers a forward did not reach are sent at ``step()``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        communication_type: CommunicationType | str = CommunicationType.neighbor_allreduce,
+        topology: Topology | DynamicTopology | None = None,
+        machine_topology: Topology | DynamicTopology | None = None,
+        num_steps_per_communication: int = 1,
+        group: Group | None = None,
+    ) -> None:
+        where, layers = self.model_layers("AdaptWithCombineOptimizer", model, group)
+        self.inner = self.build_inner(where, make_optimizer, layers)
+        self._launched: set[int] = set()
+        super().__init__(
+            model,
+            layers,
+            group,
+            communication_type=communication_type,
+            topology=topology,
+            machine_topology=machine_topology,
+            num_steps_per_communication=num_steps_per_communication,
+        )
+        self.forward_pre_hooks(self._before_forward)
+
+    def _before_forward(self, layers: list[int]) -> None:
+        if not torch.is_grad_enabled() or not self.model.training:
+            return  # evaluation forwards do not communicate
+        self._launch(layers)
+
+    def _launch(self, layers: list[int]) -> None:
+        for i in layers:
+            if i not in self._launched:
+                self._launched.add(i)
+                pending = self.launch_layer(i)
+                if pending is not None:
+                    self._pending[i] = pending
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Send the layers no forward reached (communicating iteration), set every parameter to its
+        combined value, then step the inner optimizer with the local gradients."""
+        if closure is not None:
+            raise InvalidArgumentError(f"{self.where}: step(closure) is not supported")
+        self._launch(list(range(len(self.layers))))
+        self.synchronize()
+        self.inner.step()
+        self._launched.clear()
+        self.end_iteration()
+        return None
+
+    def synchronize(self) -> None:
+        """Complete every combination in flight (in layer order) and write it into the parameters.
+        Between steps nothing is in flight; between a forward and its backward this would change the
+        parameters the backward needs, so only :meth:`step` calls it then."""
+        for i in sorted(self._pending):
+            write_back(self.layers[i][1], self._pending.pop(i).wait())

@@ -1,0 +1,256 @@
+"""The decentralized optimizers as lowband strategies (so ``lowband bench`` and ``lowband demo`` run them):
+``atc``, ``awc``, ``hierarchical-atc``, ``winput`` and ``gradient-allreduce``.
+
+Options (keyword-only, validated):
+
+- ``topology``: a name from :data:`TOPOLOGIES` — ``ring``, ``exp2`` (static exponential-2),
+  ``dynamic-exp2`` (one peer of the exponential-2 graph per round), ``inner-outer-exp2`` (BlueFog's
+  dynamic inner/outer exponential-2 over machines of ``local_size`` ranks), ``full``. For
+  ``hierarchical-atc`` it is the topology between machines; ``winput`` takes static ones only.
+- ``allreduce_every = k`` (> 0): every k-th communication is a global allreduce of the parameters
+  instead of a neighbor averaging (0: never). :meth:`in_sync` is True right after such a step.
+- ``period = H``: communicate every H-th step; the steps in between are local.
+
+The topology check runs on a strategy's first step only; the layer layout is checked at construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from lowband.comm.collectives import broadcast
+from lowband.decentral.atc import AdaptThenCombineOptimizer
+from lowband.decentral.awc import AdaptWithCombineOptimizer
+from lowband.decentral.gradient_allreduce import GradientAllreduceOptimizer
+from lowband.decentral.optim_base import CommunicationType, DecentralizedOptimizer, WrapperBase
+from lowband.decentral.winput import WinPutOptimizer
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.runtime import current
+from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.registry import register_strategy
+from lowband.topology import (
+    DynamicTopology,
+    Topology,
+    dynamic_inner_outer_exponential_two,
+    dynamic_one_peer_exponential_two,
+    exponential_two,
+    fully_connected,
+    ring,
+)
+
+#: topology names -> builder(size, local_size)
+TOPOLOGIES: dict[str, Callable[[int, int], Topology | DynamicTopology]] = {
+    "ring": lambda n, _ls: ring(n),
+    "exp2": lambda n, _ls: exponential_two(n),
+    "dynamic-exp2": lambda n, _ls: dynamic_one_peer_exponential_two(n),
+    "inner-outer-exp2": dynamic_inner_outer_exponential_two,
+    "full": lambda n, _ls: fully_connected(n),
+}
+MACHINE_TOPOLOGIES = ("ring", "exp2", "dynamic-exp2", "full")
+STATIC_TOPOLOGIES = ("ring", "exp2", "full")
+
+
+def _check_int(where: str, what: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidArgumentError(f"{where}: {what} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def build_topology(
+    where: str, name: object, allowed: tuple[str, ...], size: int, local_size: int
+) -> Topology | DynamicTopology:
+    """The topology registered as ``name`` over ``size`` ranks (machines of ``local_size`` ranks)."""
+    if not isinstance(name, str) or name not in allowed:
+        raise InvalidArgumentError(f"{where}: topology must be one of {list(allowed)}, got {name!r}")
+    return TOPOLOGIES[name](size, local_size)
+
+
+class DecentralStrategy(Strategy):
+    """A strategy around a :class:`DecentralizedOptimizer`: before each step it sets the communication
+    type (neighbor averaging, or a global allreduce every ``allreduce_every``-th communication) and the
+    topology check (first step only)."""
+
+    optimizer: DecentralizedOptimizer
+    base_type = CommunicationType.neighbor_allreduce
+
+    def __init__(
+        self, model: nn.Module, optimizer: DecentralizedOptimizer, group: Group, *, topology: str,
+        allreduce_every: int, period: int,
+    ) -> None:  # fmt: skip
+        super().__init__(model, optimizer, group)
+        self.topology_name = topology
+        self.allreduce_every = allreduce_every
+        self.period = period
+        self._checked = False
+        #: whether a neighbor-averaging step leaves every replica identical (one machine, hierarchical)
+        self.neighbor_is_global = False
+        self._global = group.size == 1
+
+    def train_step(self, loss_fn: LossFn) -> float:
+        opt = self.optimizer
+        opt.enable_topo_check = not self._checked
+        self._checked = True
+        t = opt.steps + 1
+        rounds = t // self.period if t % self.period == 0 else 0
+        use_allreduce = rounds > 0 and self.allreduce_every > 0 and rounds % self.allreduce_every == 0
+        opt.communication_type = CommunicationType.allreduce if use_allreduce else self.base_type
+        self._global = self.group.size == 1 or use_allreduce or (self.neighbor_is_global and rounds > 0)
+        return super().train_step(loss_fn)
+
+    def synchronize(self) -> None:
+        self.optimizer.synchronize()
+
+    def in_sync(self) -> bool:
+        """True after a step that averaged the parameters globally (allreduce; or hierarchical averaging
+        on a single machine), once synchronized. Always True on one rank."""
+        return self._global
+
+    def hparams(self) -> dict[str, Any]:
+        return {
+            "topology": self.topology_name,
+            "allreduce_every": self.allreduce_every,
+            "period": self.period,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.synchronize()
+        super().load_state_dict(state)
+
+    def close(self) -> None:
+        self.optimizer.remove_hooks()
+
+
+def _options(where: str, allreduce_every: object, period: object) -> tuple[int, int]:
+    return _check_int(where, "allreduce_every", allreduce_every, 0), _check_int(where, "period", period, 1)
+
+
+@register_strategy("atc", "BlueFog Adapt-Then-Combine: layer steps in backward, then neighbor averaging")
+class ATCStrategy(DecentralStrategy):
+    name = "atc"
+
+    def __init__(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
+        allreduce_every: int = 0, period: int = 1,
+    ) -> None:  # fmt: skip
+        where = f"{type(self).__name__}"
+        ae, h = _options(where, allreduce_every, period)
+        topo = build_topology(where, topology, tuple(TOPOLOGIES), group.size, current(where).local_size)
+        opt = AdaptThenCombineOptimizer(
+            model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
+        )
+        super().__init__(model, opt, group, topology=topology, allreduce_every=ae, period=h)
+
+
+@register_strategy("awc", "BlueFog Adapt-With-Combine: neighbor averaging from forward hooks, overlapped")
+class AWCStrategy(DecentralStrategy):
+    name = "awc"
+
+    def __init__(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
+        allreduce_every: int = 0, period: int = 1,
+    ) -> None:  # fmt: skip
+        where = f"{type(self).__name__}"
+        ae, h = _options(where, allreduce_every, period)
+        topo = build_topology(where, topology, tuple(TOPOLOGIES), group.size, current(where).local_size)
+        opt = AdaptWithCombineOptimizer(
+            model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
+        )
+        super().__init__(model, opt, group, topology=topology, allreduce_every=ae, period=h)
+
+
+@register_strategy(
+    "hierarchical-atc", "BlueFog ATC with hierarchical neighbor averaging (machine average, then machines)"
+)
+class HierarchicalATCStrategy(DecentralStrategy):
+    name = "hierarchical-atc"
+    base_type = CommunicationType.hierarchical_neighbor_allreduce
+
+    def __init__(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
+        allreduce_every: int = 0, period: int = 1,
+    ) -> None:  # fmt: skip
+        where = f"{type(self).__name__}"
+        ae, h = _options(where, allreduce_every, period)
+        ctx = current(where)
+        if group.pg is not ctx.world.pg:
+            raise InvalidArgumentError(
+                f"{where}: hierarchical averaging runs over the world, not group {group.name!r}"
+            )
+        topo = build_topology(where, topology, MACHINE_TOPOLOGIES, ctx.machine_size, 1)
+        opt = AdaptThenCombineOptimizer(
+            model, make_optimizer, communication_type=self.base_type, machine_topology=topo,
+            num_steps_per_communication=h, group=group,
+        )  # fmt: skip
+        super().__init__(model, opt, group, topology=topology, allreduce_every=ae, period=h)
+        # one machine: the machine average, broadcast to its ranks, is a global average
+        self.neighbor_is_global = ctx.machine_size == 1
+
+
+class _WrapperStrategy(Strategy):
+    """A strategy around a wrapper whose communication needs no per-step settings."""
+
+    optimizer: WrapperBase
+
+    def synchronize(self) -> None:
+        self.optimizer.synchronize()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.synchronize()
+        super().load_state_dict(state)
+
+    def close(self) -> None:
+        self.optimizer.remove_hooks()
+
+
+@register_strategy("gradient-allreduce", "Gradients averaged by per-layer allreduce from backward hooks")
+class GradientAllreduceStrategy(_WrapperStrategy):
+    name = "gradient-allreduce"
+
+    def __init__(self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group) -> None:
+        # start every replica from rank 0's parameters and buffers, as DDP does
+        for t in model.state_dict().values():
+            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        super().__init__(model, GradientAllreduceOptimizer(model, make_optimizer, group=group), group)
+
+
+@register_strategy("winput", "BlueFog asynchronous win_put: local step, put to neighbors, combine arrivals")
+class WinPutStrategy(_WrapperStrategy):
+    name = "winput"
+
+    def __init__(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
+        period: int = 1,
+    ) -> None:  # fmt: skip
+        where = f"{type(self).__name__}"
+        h = _check_int(where, "period", period, 1)
+        topo = build_topology(where, topology, STATIC_TOPOLOGIES, group.size, 1)
+        assert isinstance(topo, Topology)
+        opt = WinPutOptimizer(
+            model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
+        )
+        super().__init__(model, opt, group)
+        self.topology_name, self.period = topology, h
+
+        self.winput = opt
+
+    def in_sync(self) -> bool:
+        return self.group.size == 1
+
+    def hparams(self) -> dict[str, Any]:
+        return {"topology": self.topology_name, "period": self.period}
+
+    def close(self) -> None:
+        """Free the windows (collective)."""
+        self.winput.close()

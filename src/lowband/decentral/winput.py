@@ -1,0 +1,140 @@
+"""Asynchronous decentralized SGD with one-sided windows (BlueFog's ``DistributedWinPutOptimizer``).
+
+Every parameter is registered as a window (:func:`lowband.decentral.window.win_create`, collective, at
+construction) over a static topology. :meth:`~WinPutOptimizer.step` runs the inner torch optimizer (the
+local adapt step), then, in a communicating iteration, puts each parameter into its out-neighbors'
+windows (nonblocking: the put is applied by the destination's window service, whatever its training
+loop is doing) and replaces it by ``self_weight * x + sum_j src_weights[j] * (x_j last received)``
+(:func:`~lowband.decentral.window.win_update`; default: the topology's pull weights). No rank ever
+waits for a neighbor to reach some step: a slow or sleeping neighbor just contributes its last value.
+
+Waits are only for this rank's own puts of the previous iteration to be applied at their destinations
+(bounded by the runtime timeout). :meth:`~WinPutOptimizer.close` frees the windows (collective).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from lowband.comm.handle import Handle
+from lowband.decentral.knobs import (
+    Knob,
+    check_bool,
+    check_dst_knob,
+    check_period,
+    check_self_weight,
+    check_src,
+)
+from lowband.decentral.optim_base import WrapperBase
+from lowband.decentral.window import (
+    win_create,
+    win_free,
+    win_load_state_dict,
+    win_put_nonblocking,
+    win_state_dict,
+    win_update,
+)
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.layerwise import OptimizerFactory
+from lowband.topology import Topology
+
+_COUNTER_KEY = "lowband.decentral.winput"
+
+
+class WinPutOptimizer(WrapperBase):
+    """Win-put decentralized optimizer wrapping the torch optimizer ``make_optimizer`` builds.
+
+    ``topology``: the windows' static topology (default: the group's,
+    :func:`lowband.decentral.state.load_topology`). Knobs settable before every step:
+    ``self_weight`` + ``src_weights`` (the combination; both or neither), ``dst_weights`` (the scale of
+    the copy sent to each out-neighbor, default 1), ``num_steps_per_communication``, ``require_mutex``
+    (apply puts and updates under the windows' mutexes: no torn reads, at the price of lock waits).
+    """
+
+    num_steps_per_communication = Knob(check_period)
+    self_weight = Knob(check_self_weight)
+    src_weights = Knob(check_src)
+    dst_weights = Knob(check_dst_knob)
+    require_mutex = Knob(check_bool)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        topology: Topology | None = None,
+        num_steps_per_communication: int = 1,
+        require_mutex: bool = False,
+        group: Group | None = None,
+    ) -> None:
+        where, layers = self.model_layers("WinPutOptimizer", model, group)
+        self.inner = self.build_inner(where, make_optimizer, layers)
+        super().__init__(model, layers, group)
+        self.num_steps_per_communication = num_steps_per_communication
+        self.require_mutex = require_mutex
+        self.self_weight = self.src_weights = self.dst_weights = None
+        # window names: unique per optimizer on this rank, the same on every rank (construction order)
+        k = self.ctx.state.get(_COUNTER_KEY, 0)
+        self.ctx.state[_COUNTER_KEY] = k + 1
+        self.windows = [(f"winput{k}.{name}.{j}", p) for name, ps in layers for j, p in enumerate(ps)]
+        for wname, p in self.windows:
+            win_create(p.detach(), wname, topology=topology, group=self.group)
+        self._puts: list[Handle[bool]] = []
+        self._open = True
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Local step, then (communicating iteration) put to the out-neighbors and combine what has
+        arrived, without waiting for any neighbor."""
+        if closure is not None:
+            raise InvalidArgumentError(f"{self.where}: step(closure) is not supported")
+        if not self._open:
+            raise InvalidArgumentError(f"{self.where}: step() after close()")
+        self.inner.step()
+        if self.communicates(self.num_steps_per_communication):
+            self.synchronize()
+            mutex = self.require_mutex
+            for wname, p in self.windows:
+                self._puts.append(
+                    win_put_nonblocking(p.detach(), wname, dst_weights=self.dst_weights, require_mutex=mutex)
+                )
+            for wname, _ in self.windows:
+                win_update(
+                    wname, self_weight=self.self_weight, src_weights=self.src_weights, require_mutex=mutex
+                )
+        self.steps += 1
+        return None
+
+    def synchronize(self) -> None:
+        """Wait until this rank's puts in flight have been applied at their destinations."""
+        puts, self._puts = self._puts, []
+        for h in puts:
+            h.wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Inner state, counters, and every window's buffers (the neighbors' last values) and versions."""
+        out = super().state_dict()
+        out["windows"] = [win_state_dict(wname) for wname, _ in self.windows]
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        windows = state_dict.get("windows")
+        if not isinstance(windows, list) or len(windows) != len(self.windows):
+            raise InvalidArgumentError(
+                f"{self.where}: load_state_dict: expected {len(self.windows)} window states, got "
+                f"{len(windows) if isinstance(windows, list) else type(windows).__name__}"
+            )
+        for (wname, _), st in zip(self.windows, windows):
+            win_load_state_dict(wname, st)
+
+    def close(self) -> None:
+        """Finish this rank's puts and free the windows (collective: every rank of the group calls it)."""
+        if self._open:
+            self.remove_hooks()
+            for wname, _ in self.windows:
+                win_free(wname)
+            self._open = False
