@@ -23,6 +23,7 @@ of earlier layers still runs; BlueFog's Adapt-Then-Combine starts a layer's neig
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -87,8 +88,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self._ready = [0] * len(self.layers)
         self._stepped = [False] * len(self.layers)
         self._in_backward = False
+        # The hooks hold the optimizer weakly: a tensor hook that referenced it strongly would make a
+        # cycle (parameter -> hook -> optimizer -> parameter) that Python's collector cannot see
+        # through, keeping the optimizer and the process groups of whatever uses it alive forever.
+        ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            me = ref()
+            if me is not None:
+                me._on_grad(p)
+
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
             for _, ps in self.layers
             for p in ps
         ]

@@ -84,7 +84,10 @@ class Delayer:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
         )
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], ready_timeout)
+        # poll, not select: select() fails for descriptors >= 1024 (a long-lived test process has many)
+        poller = select.poll()
+        poller.register(self.proc.stdout, select.POLLIN)
+        ready = poller.poll(ready_timeout * 1000)
         line = self.proc.stdout.readline() if ready else b""
         if line.strip() != b"ready":
             self.stop()
