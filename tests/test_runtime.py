@@ -145,14 +145,14 @@ def test_cli_run_failure_exit_code(tmp_path: Path) -> None:
 
 
 def test_cli_demo_small(tmp_path: Path) -> None:
-    """The main job, shrunk: every registered strategy, side by side, report written."""
+    """The main job, shrunk: the demo's strategies (baselines, DreamDDP, BlueFog ATC) side by side."""
     out = subprocess.run(
         [str(BIN / "lowband"), "demo", "-n", "2", "--mode", "loopback", "--rounds", "2",
          "--steps-per-round", "2", "--out", str(tmp_path / "demo")],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    for name in ("ddp(", "powersgd(", "localsgd("):
+    for name in ("ddp(", "powersgd(", "localsgd(", "dreamddp(", "atc("):
         assert f"| {name}" in out.stdout
     assert (tmp_path / "demo" / "results.json").exists()
 

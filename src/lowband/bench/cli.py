@@ -104,10 +104,19 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
     )
 
 
+DEMO_STRATEGIES = ["ddp", "powersgd", "localsgd:period=5", "dreamddp:period=5", "atc:topology=dynamic-exp2"]
+
+
 def demo_config() -> BenchConfig:
-    """The demo: the image workload, 4 ranks on 100 Mbit/s, every registered strategy."""
+    """The demo: the image workload, 4 ranks on 100 Mbit/s, the baselines and one strategy of each
+    implemented system (``-s`` picks others; ``lowband bench --list`` lists them all)."""
     return BenchConfig(
-        workload="fmnist-cnn", strategies=[], world_size=4, rate="100mbit", rounds=4, steps_per_round=20
+        workload="fmnist-cnn",
+        strategies=list(DEMO_STRATEGIES),
+        world_size=4,
+        rate="100mbit",
+        rounds=4,
+        steps_per_round=20,
     )
 
 
