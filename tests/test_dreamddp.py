@@ -10,6 +10,7 @@ chose.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -265,6 +266,9 @@ def test_lazy_profile_then_oracle(n: int, tmp_path: Any) -> None:
         out["profile_roundtrip"] = load_profile(path) == s.profile
         out["profile"] = s.profile.to_json()
         out["predicted"] = s.predicted_step_time()
+        rep = s.report()
+        out["interference"] = (rep["kappa"], rep["sigma"])
+        out["model"] = (s.profile.kappa, s.profile.sigma)
         return out
 
     res = run_threads(rank_fn, n, timeout=120)
@@ -273,6 +277,10 @@ def test_lazy_profile_then_oracle(n: int, tmp_path: Any) -> None:
         assert res[r]["profile"] == res[0]["profile"], "every rank has the same profile"
         assert res[r]["profile_roundtrip"]
         assert res[r]["predicted"] > 0
+        # lazy profiling measured the interference too; the report shows the profile's values
+        kappa, sigma = res[r]["interference"]
+        assert res[r]["interference"] == res[r]["model"] == res[0]["interference"]
+        assert math.isfinite(kappa) and kappa >= 0 and math.isfinite(sigma) and sigma >= 0
     assert res[0]["order"] == ["0", "2", "4", "5"]  # a Sequential's backward runs in reverse
 
 

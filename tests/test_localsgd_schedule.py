@@ -19,6 +19,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.localsgd import (
     SCHEDULERS,
     CostProfile,
+    IntervalCosts,
     LayerCost,
     Schedule,
     count_dreamddp_solutions,
@@ -357,3 +358,176 @@ def test_property_event_model(p: CostProfile, data: st.DataObject) -> None:
     whole = iteration_time(p, range(lo, hi + 1)) + iteration_time(p, ())
     split = iteration_time(p, range(cut + 1, hi + 1)) + iteration_time(p, range(lo, cut + 1))
     assert split <= whole + 1e-15
+
+
+# ----------------------------------------------------------------------------- interference (kappa, sigma)
+
+
+def eq7_reference(p: CostProfile, layer_set: tuple[int, ...]) -> float:
+    """Eq. 7 written out independently (no interference), the oracle for kappa = sigma = 0."""
+    bwd_end, t, comm = 0.0, 0.0, -math.inf
+    ends = {}
+    for i in range(p.L - 1, -1, -1):
+        t += p.layers[i].bwd
+        ends[i] = t
+    bwd_end = t
+    for i in sorted(layer_set, reverse=True):
+        comm = max(ends[i], comm) + p.layers[i].comm
+    return p.fwd_total + max(bwd_end, comm)
+
+
+@pytest.mark.parametrize(
+    ("comm", "kappa", "sigma", "layer_set", "expected"),
+    [
+        # kappa = sigma = 1: both run at half speed while overlapped (backward ends at 3, 5, 6 quietly)
+        ((2.0, 1.0, 4.0), 1.0, 1.0, (), 9.0),
+        ((2.0, 1.0, 4.0), 1.0, 1.0, (2,), 13.0),  # 3..9 both (bwd 3 done, comm 3 of 4), comm 9..10; +3
+        ((2.0, 1.0, 4.0), 1.0, 1.0, (1,), 10.0),  # 5..7 both: comm 1 and bwd 1 end together; +3
+        ((2.0, 1.0, 4.0), 1.0, 1.0, (0,), 11.0),  # no overlap: 6..8; +3
+        (
+            (2.0, 1.0, 4.0),
+            1.0,
+            1.0,
+            (1, 2),
+            14.0,
+        ),  # 3..7 layer 1 (q 4 -> 2, +1), 7..9 layer 0 (q 3 -> 2), 9..11
+        ((2.0, 1.0, 4.0), 1.0, 1.0, (0, 2), 15.0),  # 3..7 (q -> 2), 7..9 (q -> 1, +2), 9..12
+        ((2.0, 1.0, 4.0), 1.0, 1.0, (0, 1, 2), 16.0),  # 3..7 (q -> 2, +1), 7..9 (q -> 2, +2), 9..13
+        # only computation slowed: comm 3..7 beside 2 s of backward, 1 s of backward left, ends 8; +3
+        ((2.0, 1.0, 4.0), 1.0, 0.0, (2,), 11.0),
+        # only communication slowed: backward 3..6 beside 1.5 s of comm, 2.5 s left, ends 8.5; +3
+        ((2.0, 1.0, 4.0), 0.0, 1.0, (2,), 11.5),
+        # the queue drains inside layer 1: 3..3.5 both (layer 1 at 0.25 of 2), layer 1 ends 5.25,
+        # layer 0 alone 5.25..6.25, then its comm 6.25..8.25; +3
+        ((2.0, 1.0, 0.5), 1.0, 0.0, (0, 2), 11.25),
+    ],
+)
+def test_interference_by_hand(
+    comm: tuple[float, float, float], kappa: float, sigma: float, layer_set: tuple[int, ...], expected: float
+) -> None:
+    p = hand_profile(comm).with_interference(kappa, sigma)
+    assert p.interference == (kappa > 0 or sigma > 0)
+    assert iteration_time(p, layer_set) == expected
+    if layer_set:  # the interval costs of the dynamic programme run the same timeline
+        lo, hi = min(layer_set), max(layer_set)
+        if layer_set == tuple(range(lo, hi + 1)):
+            assert IntervalCosts(p).cost(lo, hi) == expected
+
+
+def test_interference_period_and_schedules_by_hand() -> None:
+    p = hand_profile().with_interference(1.0, 1.0)
+    assert period_time(p, [(2,), (1,), (0,)]) == 13.0 + 10.0 + 11.0
+    assert exposed_comm_time(p, [(2,), (1,), (0,)]) == 34.0 - 27.0
+    assert flsgd_period_time(p, 3) == 27.0 + 7.0  # no overlap, no interference
+    assert objective_eq8(p, [(2,), (1,), (0,)]) == 21.0  # the paper's formula, unchanged
+    # {0, 1} alone: layer 1 ends at 5 (q 1), 5..7 layer 0 beside it (q 1 -> 0, +2), 7..9; +3 -> 12
+    assert iteration_time(p, (0, 1)) == 12.0
+    # H = 2, every cut of 2 <- 1 <- 0: {}+{0,1,2} 9+16, {2}+{0,1} 13+12, {1,2}+{0} 14+11, {0,1,2}+{} 16+9
+    assert schedule_optimal(p, 2).predicted_period == 25.0
+    assert schedule_bruteforce(p, 2).predicted_period == 25.0
+    assert schedule_dreamddp(p, 2).predicted_period == 25.0
+
+
+def test_interference_zero_is_eq7() -> None:
+    for p in PROFILES:
+        z = p.with_interference(0.0, 0.0)
+        assert z == p and not z.interference
+        tiny = p.with_interference(1e-15, 1e-15)  # takes the timeline code path
+        sets = [tuple(range(p.L)), tuple(range(0, p.L, 2)), (p.L - 1,), ()]
+        for s in sets:
+            assert iteration_time(z, s) == eq7_reference(p, s)  # bit-identical to Eq. 7
+            assert iteration_time(tiny, s) == approx(eq7_reference(p, s))
+        for H in (1, 3):
+            assert schedule_optimal(z, H) == schedule_optimal(p, H)
+            assert schedule_dreamddp(tiny, H, fill_bubbles=False).predicted_period == approx(
+                schedule_dreamddp(p, H, fill_bubbles=False).predicted_period
+            )
+
+
+INTERFERENCE = [(0.5, 0.0), (0.0, 0.5), (0.75, 0.3), (2.0, 1.0)]
+
+
+@pytest.mark.parametrize(("kappa", "sigma"), INTERFERENCE)
+def test_interference_dp_bruteforce_and_dreamddp(kappa: float, sigma: float) -> None:
+    for p0 in PROFILES[::2]:
+        p = p0.with_interference(kappa, sigma)
+        for H in (1, 2, 3):
+            dp, bf = schedule_optimal(p, H), schedule_bruteforce(p, H)
+            assert period_time(p, dp.sets) == approx(period_time(p, bf.sets))
+            for measure in ("span", "sum"):
+                omega = dreamddp_solutions(p, H, measure=measure)
+                assert len(omega) == count_dreamddp_solutions(p, H, measure=measure)
+                chosen = dreamddp_sets(p, H, measure=measure)
+                assert chosen in omega
+                assert period_time(p, chosen) == approx(min(period_time(p, o) for o in omega))
+                d = schedule_dreamddp(p, H, measure=measure)
+                assert d.predicted_period >= dp.predicted_period * (1 - 1e-12)
+                nofill = schedule_dreamddp(p, H, fill_bubbles=False, measure=measure)
+                # bubble filling keeps every iteration's time (to rounding: the timeline is not
+                # monotone at the last ulp)
+                assert d.predicted_iterations == pytest.approx(nofill.predicted_iterations, rel=1e-12)
+                assert d.predicted_iterations == tuple(iteration_time(p, s) for s in d.sets)
+
+
+def test_interference_fast_at_scale() -> None:
+    p = random_profile(200, 0, comm_ratio=2.0).with_interference(0.7, 0.3)
+    t0 = time.perf_counter()
+    s = schedule_dreamddp(p, 10)
+    assert time.perf_counter() - t0 < 10.0  # loose sanity bound: it takes milliseconds
+    s.validate(200)
+    opt = schedule_optimal(p, 10)
+    assert s.predicted_period >= opt.predicted_period * (1 - 1e-12)
+    # the interference makes the same schedule slower than the paper's model predicts
+    assert period_time(p, opt.sets) > period_time(random_profile(200, 0, comm_ratio=2.0), opt.sets)
+
+
+def test_interference_json_and_validation() -> None:
+    p = random_profile(5, 1, comm_ratio=1.5).with_interference(0.8125, 1 / 3)
+    d = json.loads(json.dumps(p.to_json()))
+    assert d["kappa"] == 0.8125 and d["sigma"] == 1 / 3
+    q = CostProfile.from_json(d)
+    assert q == p and (q.kappa, q.sigma) == (0.8125, 1 / 3)
+    del d["kappa"], d["sigma"]  # a profile saved before interference was measured
+    old = CostProfile.from_json(d)
+    assert (old.kappa, old.sigma) == (0.0, 0.0) and old == p.with_interference(0.0, 0.0)
+    for bad in (-0.1, math.nan, math.inf, True, "1"):
+        with pytest.raises(InvalidArgumentError, match="kappa"):
+            p.with_interference(bad, 0.0)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match="sigma"):
+            CostProfile(p.layers, sigma=bad)  # type: ignore[arg-type]
+
+
+factors = st.floats(min_value=0.0, max_value=3.0, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(profiles(6), st.data(), factors, factors, factors, factors)
+def test_property_interference_monotone(
+    p: CostProfile, data: st.DataObject, k: float, s: float, dk: float, ds: float
+) -> None:
+    L = p.L
+    layers = data.draw(st.sets(st.integers(0, L - 1)))
+    extra = data.draw(st.integers(0, L - 1))
+    lo, hi = p.with_interference(k, s), p.with_interference(k + dk, s + ds)
+    # larger kappa or sigma never decreases the predicted time; never below the paper's model
+    assert iteration_time(hi, layers) >= iteration_time(lo, layers) - 1e-15
+    assert iteration_time(lo, layers) >= iteration_time(p, layers) - 1e-15
+    # adding a layer never shortens an iteration (bubble filling's bisection relies on it)
+    assert iteration_time(lo, layers | {extra}) >= iteration_time(lo, layers) - 1e-15
+    # never above running everything serially, slowed throughout
+    serial = p.fwd_total + (1 + k) * p.bwd_total + (1 + s) * sum(p.layers[i].comm for i in layers)
+    assert iteration_time(lo, layers) <= serial + 1e-12
+
+
+@settings(max_examples=100, deadline=None)
+@given(profiles(), st.integers(1, 4), st.sampled_from(["span", "sum"]), factors, factors)
+def test_property_interference_schedulers(p: CostProfile, H: int, measure: str, k: float, s: float) -> None:
+    p = p.with_interference(k, s)
+    opt = schedule_optimal(p, H)
+    assert opt.predicted_period == approx(schedule_bruteforce(p, H).predicted_period)
+    d = schedule_dreamddp(p, H, measure=measure)
+    d.validate(p.L)
+    assert d.predicted_period >= opt.predicted_period * (1 - 1e-12) - 1e-15
+    nofill = schedule_dreamddp(p, H, fill_bubbles=False, measure=measure)
+    assert d.predicted_iterations == pytest.approx(nofill.predicted_iterations, rel=1e-12, abs=1e-15)
+    assert nofill.sets in dreamddp_solutions(p, H, measure=measure)

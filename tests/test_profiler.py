@@ -3,6 +3,7 @@ the same on every rank, the model left untouched), the alpha-beta communication 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from lowband.localsgd.profiler import (
     fit_comm,
     load_profile,
     measure_comm,
+    measure_interference,
     profile_model,
     refit_comm,
     save_profile,
@@ -83,8 +85,10 @@ def test_profile_small_mlp(n: int) -> None:
     assert prof.alpha >= 0 and prof.beta >= 0
     for lc in prof.layers:
         assert lc.comm == pytest.approx(prof.alpha + prof.beta * lc.nbytes, rel=1e-12, abs=1e-15)
+    assert math.isfinite(prof.kappa) and prof.kappa >= 0 and math.isfinite(prof.sigma) and prof.sigma >= 0
     if n == 1:
         assert prof.alpha == prof.beta == 0.0  # no links to measure
+        assert prof.kappa == prof.sigma == 0.0  # nothing to interfere with
     for out in res:
         assert out["profile"] == res[0]["profile"], "every rank gets the same profile"
         assert out["unchanged"] and out["no_grads"], "profiling left parameters, BN statistics, grads alone"
@@ -159,7 +163,8 @@ def test_json_round_trip(tmp_path: Path) -> None:
     prof = CostProfile.from_lists(
         [1e-3, 2.5e-3], [3e-3, 1 / 3], [4e-4, 5e-4], names=["enc", "head"], nbytes=[1024, 2048]
     )
-    prof = with_comm(prof, 1e-4, 1 / 7e8)
+    prof = with_comm(prof.with_interference(0.625, 0.3), 1e-4, 1 / 7e8)
+    assert (prof.kappa, prof.sigma) == (0.625, 0.3)  # with_comm keeps the interference
     path = tmp_path / "p.json"
     save_profile(prof, path)
     assert load_profile(path) == prof
@@ -200,3 +205,75 @@ def test_bad_arguments() -> None:
              "every size must be an int >= 4, got 2", "repeats must be an int >= 1, got 0"]  # fmt: skip
     for want, got in zip(wants, errs):
         assert want in got and "on rank 0" in got, (want, got)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_measure_interference(n: int) -> None:
+    def rank_fn() -> dict[str, object]:
+        m = _mlp()
+        before = {k: v.clone() for k, v in m.state_dict().items()}
+        rng = torch.get_rng_state()
+        pair = measure_interference(m, _loss, repeats=2, nbytes=65536)
+        default = measure_interference(m, _loss, repeats=1)  # nbytes: the model's parameter bytes
+        quiet = profile_model(
+            m, _loss, warmup=0, repeats=1, comm_sizes=SIZES, comm_repeats=1, interference=False
+        )
+        after = m.state_dict()
+        return {
+            "pair": pair,
+            "default": default,
+            "quiet": (quiet.kappa, quiet.sigma),
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "no_grads": all(p.grad is None for p in m.parameters()),
+            "rng": torch.equal(rng, torch.get_rng_state()),
+        }
+
+    res = run_threads(rank_fn, n, timeout=120)
+    for out in res:
+        for kappa, sigma in (out["pair"], out["default"]):  # type: ignore[misc]
+            assert math.isfinite(kappa) and kappa >= 0 and math.isfinite(sigma) and sigma >= 0
+        assert out["pair"] == res[0]["pair"] and out["default"] == res[0]["default"], "MAX across ranks"
+        assert out["quiet"] == (0.0, 0.0)
+        assert out["unchanged"] and out["no_grads"]
+        if n == 1:  # the CPU RNG is process-wide: with several rank threads another rank may move it
+            assert out["rng"]
+            assert out["pair"] == out["default"] == (0.0, 0.0)
+
+
+def test_measure_interference_bad_arguments() -> None:
+    def rank_fn() -> list[str]:
+        m = _mlp()
+        calls = [
+            lambda: measure_interference(m, _loss, repeats=0),
+            lambda: measure_interference(m, _loss, nbytes=2),
+            lambda: measure_interference(nn.ReLU(), _loss),
+            lambda: measure_interference("model", _loss),  # type: ignore[arg-type]
+            lambda: profile_model(m, _loss, interference=1),  # type: ignore[arg-type]
+        ]
+        errs = []
+        for c in calls:
+            try:
+                c()
+                errs.append("no error")
+            except InvalidArgumentError as e:
+                errs.append(str(e))
+        return errs
+
+    errs = run_threads(rank_fn, 1)[0]
+    wants = ["repeats must be an int >= 1, got 0", "nbytes must be an int >= 4, got 2", "no trainable parameters",
+             "model must be an nn.Module", "interference must be a bool, got 1"]  # fmt: skip
+    for want, got in zip(wants, errs, strict=True):
+        assert want in got and "on rank 0" in got, (want, got)
+
+
+def test_measure_interference_bad_loss_across_ranks() -> None:
+    def rank_fn() -> str:
+        m = _mlp()
+        try:
+            measure_interference(m, lambda mod: mod(torch.randn(4, 8)), repeats=1)
+        except InvalidArgumentError as e:
+            return str(e)
+        return "no error"
+
+    for msg in run_threads(rank_fn, 2, timeout=120):
+        assert "one-element tensor" in msg

@@ -41,35 +41,65 @@ from __future__ import annotations
 import copy
 
 from lowband.errors import InvalidArgumentError
-from lowband.localsgd.costmodel import CostProfile, IntervalCosts, iteration_time
+from lowband.localsgd.costmodel import (
+    CostProfile,
+    IntervalCosts,
+    add_layer,
+    iteration_time,
+    start_state,
+)
 from lowband.localsgd.schedule import Schedule, check_period
 
 Sets = tuple[tuple[int, ...], ...]
+State = tuple[float, float, int]
 
 
 class _Measure:
-    """``C(X)`` for a set ``X = {top, top-1, ..., i}`` built one layer at a time in backward order.
+    """``C(X)`` for a set ``X = {top, top-1, ..., i}`` built one layer at a time in backward order, and the
+    hiding test ``below >= C(X)`` of Properties 1-2 (``hides``).
 
-    The state is the running sum of ``comm`` (``"sum"``) or the end of the averaging chain from the start
-    of backward (``"span"``); both are computed in one fixed order so every caller gets the same floats."""
+    The state is ``(value, queue, last layer)``. Without interference its value is the running sum of
+    ``comm`` (``"sum"``) or the end of the averaging chain from the start of backward (``"span"``), both
+    computed in one fixed order so every caller gets the same floats. With interference (``kappa`` or
+    ``sigma`` non-zero) ``"span"`` runs the cost model's two-resource timeline and a set hides when its
+    queue drains no later than the backward left (``queue * (1 + sigma) <= below_last * (1 + kappa)``); ``"sum"`` hides when ``(1 + sigma) * sum(comm) <=
+    (1 + kappa) * below`` (both running side by side the whole time)."""
 
     def __init__(self, profile: CostProfile, measure: str) -> None:
         if measure not in MEASURES:
             raise InvalidArgumentError(
                 f"schedule_dreamddp: measure must be one of {MEASURES}, got {measure!r}"
             )
+        self.profile = profile
         self.span = measure == "span"
+        self.timeline = self.span and profile.interference
         self.comm = [lc.comm for lc in profile.layers]
         self.ends = profile.bwd_ends
+        self.below = profile.bwd_below
+        self.k1 = 1.0 + profile.kappa
+        self.s1 = 1.0 + profile.sigma
 
-    def start(self, top: int) -> float:
-        return self.ends[top] + self.comm[top] if self.span else self.comm[top]
+    def start(self, top: int) -> State:
+        if self.timeline:
+            return start_state(self.profile, top)
+        return (self.ends[top] + self.comm[top] if self.span else self.comm[top], 0.0, top)
 
-    def add(self, state: float, i: int) -> float:
-        return max(self.ends[i], state) + self.comm[i] if self.span else state + self.comm[i]
+    def add(self, state: State, i: int) -> State:
+        if self.timeline:
+            return add_layer(self.profile, state, i)
+        v = state[0]
+        return (max(self.ends[i], v) + self.comm[i] if self.span else v + self.comm[i], 0.0, i)
 
-    def value(self, state: float, top: int) -> float:
-        return state - self.ends[top] if self.span else state
+    def hides(self, state: State, top: int) -> bool:
+        """Whether the set's averagings hide behind the backward left after ``top`` (``below >= C(X)``)."""
+        if self.timeline:  # the queue drains before the backward left (cost model's ``finish``) ends
+            _, q, last = state
+            return q * self.s1 <= self.below[last] * self.k1
+        if self.span:
+            return self.below[top] >= state[0] - self.ends[top]
+        if self.profile.interference:
+            return self.below[top] * self.k1 >= state[0] * self.s1
+        return self.below[top] >= state[0]
 
 
 MEASURES = ("span", "sum")
@@ -80,15 +110,14 @@ def _next_starts(profile: CostProfile, m: _Measure, top: int) -> tuple[int, ...]
 
     Returns the first layer of set ``h + 1`` for each branch, in DFS order (-1: no layer left). The set
     itself is ``top`` down to that layer + 1."""
-    below = profile.bwd_below[top]
     state = m.start(top)
     i = top - 1
     while i >= 0:
         grown = m.add(state, i)
-        if below >= m.value(grown, top):  # Property 1: hidden, assign
+        if m.hides(grown, top):  # Property 1: hidden, assign
             state = grown
             i -= 1
-        elif below < m.value(state, top):  # Property 2: delay layer i to the next iteration
+        elif not m.hides(state, top):  # Property 2: delay layer i to the next iteration
             return (i,)
         else:  # search: assign i (then the next layer is necessarily delayed), or delay i
             return (i - 1, i)
@@ -123,11 +152,10 @@ def dreamddp_solutions(
             state = m.start(h0)
             for i in psi[h][1:]:
                 state = m.add(state, i)
-            below = profile.bwd_below[h0]
-            if below >= m.value(m.add(state, layer), h0):  # line 20, optimal hiding
+            if m.hides(m.add(state, layer), h0):  # line 20, optimal hiding
                 psi[h].append(layer)
                 stack.append((psi, layer - 1, h))
-            elif below < m.value(state, h0):  # line 23, delayed CO assignment
+            elif not m.hides(state, h0):  # line 23, delayed CO assignment
                 stack.append((psi, layer, h + 1))
             else:  # line 25, search (lines 28/30 with their typos fixed)
                 psi_minus = copy.deepcopy(psi)
@@ -202,7 +230,8 @@ def fill_bubbles(profile: CostProfile, schedule: Schedule) -> Schedule:
     that is disjoint from the set and keeps the iteration's event-model time from increasing.
 
     Adding a layer never shortens an iteration (averagings only queue up), so the time is monotone in
-    the run's length and the longest run is found by bisection. Predicted times are unchanged."""
+    the run's length and the longest run is found by bisection. Predicted times are unchanged (with
+    interference, to rounding: the timeline is monotone in exact arithmetic, not at the last ulp)."""
     schedule.validate(profile.L)
     L = profile.L
     new_sets: list[tuple[int, ...]] = []

@@ -14,6 +14,24 @@ This is Eq. 7 of the paper with its ``tau`` recurrence, generalised to sets that
 Eq. 8 (``objective_eq8``) is the paper's interval approximation: the set's averagings run back to
 back from the backward end of its latest layer ``h0``, ignoring waits for later backward passes.
 
+Interference (lowband's extension beyond Eq. 7). Eq. 7 assumes an averaging runs beside backward for
+free (a GPU with its own NIC). Where computation and communication share CPU cores they slow each other
+down; ``CostProfile.kappa`` and ``CostProfile.sigma`` (measured, >= 0) model it as a two-resource event
+timeline of the backward pass and the link:
+
+- while a backward layer AND an averaging are both in progress, backward progresses at rate
+  ``1 / (1 + kappa)`` and the averaging at ``1 / (1 + sigma)`` (a layer's ``bwd`` and ``comm`` are its
+  quiet work); when only one is in progress it runs at full speed;
+- averagings still queue in backward order on one link (FIFO), each entering the queue at the end of its
+  layer's (possibly slowed) backward; the forward pass never overlaps an averaging;
+- the iteration ends at ``fwd_total + max(backward end, last averaging end)``.
+
+Because the link's rate depends only on whether backward is running, the queue's total remaining work
+is its whole state, and after the last averaging of a set enters the queue the rest of the iteration
+has a closed form. With ``kappa == sigma == 0`` every function takes the plain Eq. 7 code path, so
+results are bit-identical to the paper's model. ``objective_eq8`` stays the paper's formula (no
+interference); ``flsgd_period_time`` has no overlap, hence no interference either.
+
 Every function here is pure and deterministic; floating-point operations happen in one fixed order so
 that equal inputs give bit-identical results whichever function computes them.
 """
@@ -28,6 +46,15 @@ from functools import cached_property
 from typing import Any
 
 from lowband.errors import InvalidArgumentError
+
+
+def _check_factor(where: str, what: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgumentError(f"{where}: {what} must be a number (a fractional slowdown), got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v < 0.0:
+        raise InvalidArgumentError(f"{where}: {what} must be finite and >= 0, got {value!r}")
+    return v
 
 
 def _check_time(where: str, what: str, value: object) -> float:
@@ -77,11 +104,15 @@ class CostProfile:
     """Per-layer costs of a model, layers in FORWARD order (``layers[0]`` is the paper's layer 1).
 
     ``alpha``/``beta`` are the communication fit ``comm(bytes) = alpha + beta * bytes`` the per-layer
-    ``comm`` values came from (0 when unknown)."""
+    ``comm`` values came from (0 when unknown). ``kappa``/``sigma`` are the measured interference
+    (module doc): computation runs ``1 + kappa`` times slower while an averaging is in flight, an
+    averaging ``1 + sigma`` times slower while computation runs (0: the paper's model)."""
 
     layers: tuple[LayerCost, ...]
     alpha: float = 0.0
     beta: float = 0.0
+    kappa: float = 0.0
+    sigma: float = 0.0
 
     def __post_init__(self) -> None:
         layers = tuple(self.layers)
@@ -93,6 +124,17 @@ class CostProfile:
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "alpha", _check_time("CostProfile", "alpha", self.alpha))
         object.__setattr__(self, "beta", _check_time("CostProfile", "beta", self.beta))
+        object.__setattr__(self, "kappa", _check_factor("CostProfile", "kappa", self.kappa))
+        object.__setattr__(self, "sigma", _check_factor("CostProfile", "sigma", self.sigma))
+
+    @property
+    def interference(self) -> bool:
+        """True when ``kappa`` or ``sigma`` is non-zero (the event model then simulates interference)."""
+        return self.kappa > 0.0 or self.sigma > 0.0
+
+    def with_interference(self, kappa: float, sigma: float) -> CostProfile:
+        """This profile with interference parameters ``kappa`` and ``sigma`` (validated)."""
+        return CostProfile(self.layers, self.alpha, self.beta, kappa, sigma)
 
     @property
     def L(self) -> int:
@@ -181,7 +223,13 @@ class CostProfile:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"layers": [lc.to_json() for lc in self.layers], "alpha": self.alpha, "beta": self.beta}
+        return {
+            "layers": [lc.to_json() for lc in self.layers],
+            "alpha": self.alpha,
+            "beta": self.beta,
+            "kappa": self.kappa,
+            "sigma": self.sigma,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> CostProfile:
@@ -193,6 +241,8 @@ class CostProfile:
             tuple(LayerCost.from_json(x) for x in d["layers"]),
             d.get("alpha", 0.0),
             d.get("beta", 0.0),
+            d.get("kappa", 0.0),  # profiles saved before interference was measured: the paper's model
+            d.get("sigma", 0.0),
         )
 
 
@@ -208,9 +258,69 @@ def check_layer_set(where: str, profile: CostProfile, layer_set: Iterable[int]) 
     return tuple(sorted(out))
 
 
+# ---------------------------------------------------------------- interference timeline (kappa, sigma)
+#
+# A timeline state ``(t, q, last)``: time ``t`` from the start of backward at the end of layer ``last``'s
+# backward, just after its averaging entered the queue, and ``q`` the queue's remaining quiet work.
+
+
+def start_state(profile: CostProfile, top: int) -> tuple[float, float, int]:
+    """Timeline state when the first (latest) averaged layer ``top`` has finished its backward.
+
+    No averaging is in flight before it, so backward has run at full speed up to ``bwd_ends[top]``."""
+    return (profile.bwd_ends[top], profile.layers[top].comm, top)
+
+
+def add_layer(profile: CostProfile, state: tuple[float, float, int], i: int) -> tuple[float, float, int]:
+    """Advance the timeline through the backward of layers ``last - 1`` down to ``i`` (``i < last``), each
+    slowed while the queue is busy, then queue layer ``i``'s averaging."""
+    t, q, last = state
+    k1 = 1.0 + profile.kappa
+    s1 = 1.0 + profile.sigma
+    for j in range(last - 1, i - 1, -1):
+        w = profile.layers[j].bwd
+        if q <= 0.0:
+            t += w
+        elif q * s1 >= w * k1:  # the link stays busy for the whole layer
+            t += w * k1
+            q = max(0.0, q - w * k1 / s1)
+        else:  # the queue drains during the layer; the rest of it runs at full speed
+            d = q * s1
+            t += d + max(0.0, w - d / k1)
+            q = 0.0
+    return (t, q + profile.layers[i].comm, i)
+
+
+def finish(profile: CostProfile, state: tuple[float, float, int]) -> tuple[float, float]:
+    """``(backward end, last averaging end)`` from ``state`` when no further averaging is queued."""
+    t, q, last = state
+    b = profile.bwd_below[last]
+    if q <= 0.0:
+        return (t + b, t)
+    if b <= 0.0:
+        return (t, t + q)
+    k1 = 1.0 + profile.kappa
+    s1 = 1.0 + profile.sigma
+    if q * s1 <= b * k1:  # the queue drains first
+        d = q * s1
+        return (t + d + max(0.0, b - d / k1), t + d)
+    d = b * k1
+    return (t + d, t + d + max(0.0, q - d / s1))
+
+
+def _interfered(profile: CostProfile, idx: tuple[int, ...]) -> tuple[float, float]:
+    """``(backward end, last averaging end)`` of a non-empty sorted set under interference."""
+    state = start_state(profile, idx[-1])
+    for i in reversed(idx[:-1]):
+        state = add_layer(profile, state, i)
+    return finish(profile, state)
+
+
 def comm_end(profile: CostProfile, layer_set: Iterable[int]) -> float:
     """End of the last averaging of ``layer_set``, from the start of backward (``-inf`` when empty)."""
     idx = check_layer_set("comm_end", profile, layer_set)
+    if profile.interference and idx:
+        return _interfered(profile, idx)[1]
     ends = profile.bwd_ends
     end = -math.inf
     for i in reversed(idx):
@@ -219,7 +329,12 @@ def comm_end(profile: CostProfile, layer_set: Iterable[int]) -> float:
 
 
 def iteration_time(profile: CostProfile, layer_set: Iterable[int]) -> float:
-    """Time of one local iteration that averages ``layer_set`` (forward indices), by the Eq. 7 event model."""
+    """Time of one local iteration that averages ``layer_set`` (forward indices), by the Eq. 7 event model
+    (with interference when ``profile.kappa`` or ``profile.sigma`` is non-zero, see the module doc)."""
+    if profile.interference:
+        idx = check_layer_set("iteration_time", profile, layer_set)
+        if idx:
+            return profile.fwd_total + max(_interfered(profile, idx))
     return profile.fwd_total + max(profile.bwd_total, comm_end(profile, layer_set))
 
 
@@ -339,6 +454,13 @@ class IntervalCosts:
 
 def _event_row(p: CostProfile, hi: int) -> list[float]:
     row = [0.0] * (hi + 1)
+    if p.interference:  # the same operations as iteration_time, sharing the timeline's prefix
+        state = start_state(p, hi)
+        row[hi] = p.fwd_total + max(finish(p, state))
+        for i in range(hi - 1, -1, -1):
+            state = add_layer(p, state, i)
+            row[i] = p.fwd_total + max(finish(p, state))
+        return row
     ends = p.bwd_ends
     end = -math.inf
     for i in range(hi, -1, -1):

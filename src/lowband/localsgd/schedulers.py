@@ -7,7 +7,8 @@ latest layers, as the paper's ``L_1``).
 
 Objectives (both additive over the iterations of a period):
 
-- ``"event"`` (default): the event-model period time ``costmodel.period_time`` (Eq. 7 with its waits);
+- ``"event"`` (default): the event-model period time ``costmodel.period_time`` (Eq. 7 with its waits,
+  and with the profile's measured interference ``kappa``/``sigma`` when non-zero);
 - ``"eq8"``: the paper's Eq. 8 objective ``costmodel.objective_eq8`` (interval approximation).
 
 Whatever the objective, a ``Schedule``'s ``predicted_*`` fields are event-model times.

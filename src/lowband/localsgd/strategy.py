@@ -14,7 +14,9 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   profile's JSON path, or a :class:`CostProfile`), scheduled at construction; else the model is profiled
   lazily at the first :meth:`train_step`, on its batch, before training on it: ``profile_model`` runs
   a few extra forward/backward passes with the optimizer hooks off and leaves the model unchanged, so
-  training is exactly as if that profile had been given. Profiles are reduced across ranks, so every
+  training is exactly as if that profile had been given. Lazy profiling also measures the
+  compute/communication interference (``kappa``/``sigma``, ``profile_model(interference=True)``) the
+  schedulers then account for; ``report()`` shows both. Profiles are reduced across ranks, so every
   rank builds the same schedule; each (re)schedule is checked across ranks (one small allgather).
 - ``reprofile_drift > 0``: the per-layer averagings are timed in flight; at each period boundary the
   ranks agree (one 2-float allreduce) on the seconds per byte they achieved, the first period after a
@@ -262,6 +264,9 @@ class PartialSyncStrategy(Strategy):
             "averagings": list(self.averager.launch_counts),
             "max_gap": list(self.averager.max_gap),
             "reschedules": self.reschedules,
+            # the profile's measured interference (None before profiling), see localsgd.costmodel
+            "kappa": None if self.profile is None else self.profile.kappa,
+            "sigma": None if self.profile is None else self.profile.sigma,
         }
         if self.divergence_log:
             out["divergence"] = self.divergence_log[-1][1]
