@@ -13,12 +13,12 @@ from torch import nn
 import lowband
 from lowband.errors import InvalidArgumentError
 from lowband.localsgd import CostProfile
+from lowband.localsgd.interference import measure_interference
 from lowband.localsgd.profiler import (
     comm_sizes_for,
     fit_comm,
     load_profile,
     measure_comm,
-    measure_interference,
     profile_model,
     refit_comm,
     save_profile,

@@ -36,11 +36,11 @@ from lowband.localsgd.costmodel import (
 
 # the profiler (measures), the runtime (averages layers in place) and the strategies built on them
 from lowband.localsgd.divergence import model_divergence
+from lowband.localsgd.interference import measure_interference
 from lowband.localsgd.profiler import (
     fit_comm,
     load_profile,
     measure_comm,
-    measure_interference,
     profile_model,
     refit_comm,
     save_profile,

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lowband.comm.collectives import allgather, allreduce, iallreduce
+from lowband.comm.collectives import allgather, allreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile, LayerCost
@@ -54,8 +54,6 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 #: default message sizes for the communication fit: 4 KiB, 16 KiB, ..., 16 MiB (bounded per model)
 COMM_SIZES: tuple[int, ...] = tuple(4096 * 4**k for k in range(7))
 MIN_COMM_CAP = 16 * 1024
-#: largest buffer :func:`measure_interference` averages by default (bytes)
-INTERFERENCE_CAP = 8 << 20
 
 
 def _check_int(where: str, what: str, v: object, minimum: int) -> int:
@@ -337,102 +335,13 @@ def profile_model(
     costs = tuple(
         LayerCost(layers[i][0], fwd[i], bwd[i], alpha + beta * nbytes[i], nbytes[i]) for i in reversed(order)
     )
-    kappa, sigma = (
-        measure_interference(model, loss_fn, group=g, repeats=comm_repeats) if interference else (0.0, 0.0)
-    )
-    return CostProfile(costs, alpha, beta, kappa, sigma)
+    if interference:
+        from lowband.localsgd.interference import measure_interference  # it builds on this module
 
-
-# ------------------------------------------------------------------ interference
-
-
-def _one_pass(model: nn.Module, loss_fn: LossFn, params: list[nn.Parameter], where: str) -> float:
-    """Seconds of one forward + backward (gradients cleared first)."""
-    device = next((p.device for p in params if p.device.type != "cpu"), None)
-    for p in params:
-        p.grad = None
-    t0 = _sync(device)
-    loss = loss_fn(model)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        got = f"shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise InvalidArgumentError(f"{where}: loss_fn must return a one-element tensor, got {got}")
-    loss.backward()  # type: ignore[no-untyped-call]
-    return _sync(device) - t0
-
-
-def _ratio_excess(busy: float, quiet: float) -> float:
-    """``busy / quiet - 1`` clamped to ``>= 0`` (0 when ``quiet`` is 0)."""
-    if quiet <= 0.0 or not math.isfinite(busy / quiet):
-        return 0.0
-    return max(0.0, busy / quiet - 1.0)
-
-
-def measure_interference(
-    model: nn.Module,
-    loss_fn: LossFn,
-    *,
-    group: Group | None = None,
-    repeats: int = 3,
-    nbytes: int | None = None,
-) -> tuple[float, float]:
-    """Measure the cost model's interference ``(kappa, sigma)`` on ``model`` and the group's links (every
-    rank of ``group`` calls it at once).
-
-    Per repeat: (a) one forward + backward of ``loss_fn(model)`` quietly; (b) one blocking allreduce of a
-    float32 buffer of ``nbytes`` bytes (default: the model's parameter bytes, capped at
-    :data:`INTERFERENCE_CAP`) quietly; (c) the same allreduce nonblocking, with forward + backward passes
-    run back to back until it completes. ``kappa = median(busy pass) / median(quiet pass) - 1`` (busy
-    passes: those that ended before the allreduce did; the first pass if none did), ``sigma = median(busy
-    allreduce) / median(quiet allreduce) - 1``, both clamped to ``>= 0``, then the MAX across ranks (one
-    small allreduce), so every rank returns the same pair. A world of one returns ``(0.0, 0.0)``. The
-    model is left unchanged (gradients, buffers, CPU RNG state restored); no optimizer is stepped."""
-    ctx, g = world_group(group, "measure_interference")
-    where = f"measure_interference on rank {ctx.rank}"
-    repeats = _check_int(where, "repeats", repeats, 1)
-    if not isinstance(model, nn.Module):
-        raise InvalidArgumentError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
-    if not callable(loss_fn):
-        raise InvalidArgumentError(f"{where}: loss_fn must be callable, got {type(loss_fn).__name__}")
-    params = [p for _, ps in parameter_layers(model) for p in ps]
-    if not params:
-        raise InvalidArgumentError(f"{where}: the model has no trainable parameters")
-    if nbytes is None:
-        nb = min(max(4, sum(p.numel() * p.element_size() for p in params)), INTERFERENCE_CAP)
+        kappa, sigma = measure_interference(model, loss_fn, group=g, repeats=comm_repeats)
     else:
-        nb = _check_int(where, "nbytes", nbytes, 4)
-    if g.size == 1:
-        return 0.0, 0.0
-    fast = g.unchecked()
-    timeout = ctx.config.timeout
-    buf = torch.zeros(nb // 4, dtype=torch.float32)
-    quiet_pass: list[float] = []
-    quiet_comm: list[float] = []
-    busy_pass: list[float] = []
-    busy_comm: list[float] = []
-    with _preserved(model, params):
-        allreduce(buf, inplace=True, group=g)  # warm-up; with the check on, the ranks' sizes are validated
-        _one_pass(model, loss_fn, params, where)  # warm-up
-        for _ in range(repeats):
-            quiet_pass.append(_one_pass(model, loss_fn, params, where))
-            t0 = time.perf_counter()
-            allreduce(buf, inplace=True, group=fast)  # also lines the ranks up for (c)
-            quiet_comm.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            done_at = iallreduce(buf, inplace=True, group=fast).then(lambda _t: time.perf_counter())
-            passes: list[tuple[float, float]] = []  # (seconds, end time)
-            while True:
-                d = _one_pass(model, loss_fn, params, where)
-                passes.append((d, time.perf_counter()))
-                if done_at.done() or time.perf_counter() - t0 > timeout:
-                    break
-            t_end = done_at.wait()  # bounded by the runtime's timeout
-            busy_comm.append(t_end - t0)
-            full = [d for d, end in passes if end <= t_end] or [passes[0][0]]
-            busy_pass.append(statistics.median(full))
-    kappa = _ratio_excess(statistics.median(busy_pass), statistics.median(quiet_pass))
-    sigma = _ratio_excess(statistics.median(busy_comm), statistics.median(quiet_comm))
-    red = allreduce(torch.tensor([kappa, sigma], dtype=torch.float64), "max", group=g).tolist()
-    return float(red[0]), float(red[1])
+        kappa, sigma = 0.0, 0.0
+    return CostProfile(costs, alpha, beta, kappa, sigma)
 
 
 # ------------------------------------------------------------------ JSON
