@@ -132,9 +132,10 @@ def _options(where: str, allreduce_every: object, period: object) -> tuple[int, 
     return _check_int(where, "allreduce_every", allreduce_every, 0), _check_int(where, "period", period, 1)
 
 
-@register_strategy("atc", "BlueFog Adapt-Then-Combine: layer steps in backward, then neighbor averaging")
-class ATCStrategy(DecentralStrategy):
-    name = "atc"
+class _NeighborStrategy(DecentralStrategy):
+    """ATC or AWC (``optimizer_class``) over a named topology: the one constructor both share."""
+
+    optimizer_class: type[AdaptThenCombineOptimizer] | type[AdaptWithCombineOptimizer]
 
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
@@ -143,27 +144,22 @@ class ATCStrategy(DecentralStrategy):
         where = f"{type(self).__name__}"
         ae, h = _options(where, allreduce_every, period)
         topo = build_topology(where, topology, tuple(TOPOLOGIES), group.size, current(where).local_size)
-        opt = AdaptThenCombineOptimizer(
+        opt = self.optimizer_class(
             model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
         )
         super().__init__(model, opt, group, topology=topology, allreduce_every=ae, period=h)
+
+
+@register_strategy("atc", "BlueFog Adapt-Then-Combine: layer steps in backward, then neighbor averaging")
+class ATCStrategy(_NeighborStrategy):
+    name = "atc"
+    optimizer_class = AdaptThenCombineOptimizer
 
 
 @register_strategy("awc", "BlueFog Adapt-With-Combine: neighbor averaging from forward hooks, overlapped")
-class AWCStrategy(DecentralStrategy):
+class AWCStrategy(_NeighborStrategy):
     name = "awc"
-
-    def __init__(
-        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
-        allreduce_every: int = 0, period: int = 1,
-    ) -> None:  # fmt: skip
-        where = f"{type(self).__name__}"
-        ae, h = _options(where, allreduce_every, period)
-        topo = build_topology(where, topology, tuple(TOPOLOGIES), group.size, current(where).local_size)
-        opt = AdaptWithCombineOptimizer(
-            model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
-        )
-        super().__init__(model, opt, group, topology=topology, allreduce_every=ae, period=h)
+    optimizer_class = AdaptWithCombineOptimizer
 
 
 @register_strategy(
