@@ -143,6 +143,9 @@ def test_layout_errors() -> None:
         Testbed(Layout.flat(2, None), prefix="Bad-Prefix")
     with pytest.raises(InvalidArgumentError, match="layout must be a Layout"):
         Testbed("4x100mbit")  # type: ignore[arg-type]
+    for bad_mtu in (100, 70000, 1500.0, True):
+        with pytest.raises(InvalidArgumentError, match="mtu must be in 576..65000"):
+            Testbed(Layout.flat(2, None), mtu=bad_mtu)  # type: ignore[arg-type]
 
 
 def test_read_iface_bytes() -> None:
@@ -220,9 +223,9 @@ def test_shaping_available_as_root() -> None:
 def test_up_down_leaves_nothing_and_never_touches_the_root_namespace() -> None:
     before_ns, before_root = _netns_names(), _root_net_state()
     a = Testbed(Layout.flat(3, "100mbit"), mode="netns")
-    b = Testbed(Layout.two_tier(2, 2, "50mbit", "1gbit"), mode="netns")
+    b = Testbed(Layout.two_tier(2, 2, "50mbit", "1gbit"), mode="netns", mtu=1500)
     with a, b:
-        assert a.shaped and a.label() == "netns+tbf: 3 ranks, 100 Mbit/s per rank"
+        assert a.shaped and a.label() == "netns+tbf: 3 ranks, 100 Mbit/s per rank, MTU 9000"
         assert set(a.namespaces()) | set(b.namespaces()) <= _netns_names()
         assert not set(a.namespaces()) & set(b.namespaces())
         assert len(a.namespaces()) == 4 and len(b.namespaces()) == 3
@@ -234,6 +237,11 @@ def test_up_down_leaves_nothing_and_never_touches_the_root_namespace() -> None:
             ["tc", "-n", b.machine_ns(1), "qdisc", "show"], capture_output=True, text=True
         ).stdout
         assert "dev veth0 root" in qdiscs and "rate 50Mbit" in qdiscs and "rate 1Gbit" in qdiscs
+        for tb, mtu in ((a, 9000), (b, 1500)):
+            links = subprocess.run(
+                ["ip", "-n", tb.machine_ns(1), "link", "show", "veth0"], capture_output=True, text=True
+            ).stdout
+            assert f"mtu {mtu} " in links, links
         a.up()  # idempotent
     a.down()  # idempotent
     assert _netns_names() == before_ns

@@ -56,6 +56,12 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
     )
     p.add_argument("--intra-rate", type=_rate, default=None, help="rate inside a machine (two-tier)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per rank (NFQUEUE delayer)")
+    p.add_argument(
+        "--mtu",
+        type=int,
+        default=dflt.mtu,
+        help=f"MTU of the emulated links (default {dflt.mtu}, jumbo frames)",
+    )
     p.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
     p.add_argument("--rounds", type=int, default=dflt.rounds)
     p.add_argument("--steps-per-round", type=int, default=dflt.steps_per_round)
@@ -91,6 +97,7 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
         ranks_per_machine=ns.ranks_per_machine,
         intra_rate=ns.intra_rate,
         delay_ms=ns.delay_ms,
+        mtu=ns.mtu,
         mode=ns.mode,
         rounds=ns.rounds,
         steps_per_round=ns.steps_per_round,

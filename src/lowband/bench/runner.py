@@ -60,7 +60,7 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False)
     cfg.save(cfg_path)
     layout = make_layout(cfg)
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    with Testbed(layout, mode=cfg.mode) as tb:
+    with Testbed(layout, mode=cfg.mode, mtu=cfg.mtu) as tb:
         logs = [open(out / "logs" / f"rank{r}.log", "w") for r in range(cfg.world_size)]  # noqa: SIM115
         try:
             stdouts: list[Any] = [subprocess.PIPE, *logs[1:]]

@@ -3,15 +3,17 @@ rest of backward, and make sure every later reader waits for it.
 
 :class:`LayerAverager` is the state a strategy keeps apart from its hooks (as torch's ``PowerSGDState``):
 
-- ``begin(step, fwd_indices)`` before a backward names the layers to average in it. The strategy's
+- The units averaged are whole layers, or chunks of large layers (:meth:`LayerAverager.set_units`,
+  :mod:`lowband.localsgd.units`); a chunk is a view of a slice of the layer's parameters.
+- ``begin(step, units)`` before a backward names the units to average in it. The strategy's
   :class:`~lowband.optim.LayerwiseOptimizer` calls :meth:`on_layer` right after stepping a layer; the
   layer's nonblocking, in-place ``igrouped_allreduce`` (average) starts there, while the backward of
   earlier layers goes on. Its parameters are read by no one until the next forward, and every module that
   holds one of them waits for the handle in a forward pre-hook (tied weights included); the layer's inner
   optimizer waits in a step pre-hook too.
-- Launches follow one canonical order on every rank, the reverse of the forward order (the profile's),
-  whatever order the autograd engine makes layers ready in: a layer ready early waits until the layers
-  before it in that order are launched. Collectives therefore match across ranks; when the engine's
+- Launches follow one canonical order on every rank, descending unit index (units are in forward
+  order, so this is the reverse of the forward order), whatever order the autograd engine makes layers
+  ready in: a unit ready early waits until the units before it in that order are launched. Collectives therefore match across ranks; when the engine's
   order is the canonical one (the usual case) each layer is launched the moment it is ready.
   :meth:`flush` after the backward launches whatever is left, so every rank launches the same ops.
 - Memory: the parameters themselves are the buffers; a layer's small tensors travel in one fusion
@@ -36,37 +38,60 @@ from torch import nn
 from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle
 from lowband.group import Group
+from lowband.localsgd.units import UnitSpec, unit_tensors
+
+
+def _nbytes(ps: Sequence[torch.Tensor]) -> int:
+    return sum(p.numel() * p.element_size() for p in ps)
 
 
 class LayerAverager:
-    """In-place, overlapped averaging of whole layers on ``group`` (pass an unchecked group: the
-    strategy validates the layout once)."""
+    """In-place, overlapped averaging of synchronisation units on ``group`` (pass an unchecked group:
+    the strategy validates the layout once).
+
+    ``layers`` are the model's layers as the :class:`~lowband.optim.LayerwiseOptimizer` indexes them.
+    The units averaged are whole layers in that order until :meth:`set_units` names others (layers in
+    forward order, large ones cut into chunks, :mod:`lowband.localsgd.units`); schedules index units."""
 
     def __init__(self, layers: Sequence[tuple[str, Sequence[nn.Parameter]]], group: Group) -> None:
         self.layers = [(name, list(ps)) for name, ps in layers]
         self.group = group
-        self.n = len(self.layers)
-        self.nbytes = [sum(p.numel() * p.element_size() for p in ps) for _, ps in self.layers]
-        #: layer index of each forward index (the canonical order); identity until :meth:`set_order`
-        self.fwd_to_layer = list(range(self.n))
-        self.launch_counts = [0] * self.n
-        #: the step at which each layer was last averaged (-1: never)
-        self.last_sync = [-1] * self.n
-        #: the most local steps any layer went through between two averagings (the first from step 0)
-        self.max_gap = [0] * self.n
+        self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
         self.timing = False
         self._pending: dict[int, Handle[Any]] = {}
         self._order: list[int] = []
-        self._ready = [False] * self.n
         self._cursor = 0
         self._step = 0
         self._log: list[list[float]] = []  # [launch time, bytes, completion time (nan until known)]
         self._hooks: list[Any] = []
+        self.set_units([UnitSpec(n, n, 0, sum(p.numel() for p in ps), _nbytes(ps)) for n, ps in self.layers])
 
     # -- setup ------------------------------------------------------------------------------------
-    def set_order(self, fwd_to_layer: Sequence[int]) -> None:
-        """Canonical order: ``fwd_to_layer[f]`` is the layer index of forward index ``f``."""
-        self.fwd_to_layer = list(fwd_to_layer)
+    def set_units(self, specs: Sequence[UnitSpec]) -> None:
+        """Average these units from now on (unit ``u`` is ``specs[u]``; no averaging may be in flight).
+        Per-unit counters are kept for units whose spec is unchanged, reset for new ones."""
+        if self._pending:
+            raise RuntimeError("LayerAverager.set_units: averagings are in flight; wait_all() first")
+        old = {spec: (c, s, g) for spec, c, s, g in zip(
+            getattr(self, "specs", []), getattr(self, "launch_counts", []),
+            getattr(self, "last_sync", []), getattr(self, "max_gap", []),
+        )}  # fmt: skip
+        self.specs = list(specs)
+        self.n = len(self.specs)
+        self.units: list[list[torch.Tensor]] = []
+        self.units_of: list[list[int]] = [[] for _ in self.layers]
+        for u, spec in enumerate(self.specs):
+            i = self._layer_index[spec.layer]
+            self.units.append(unit_tensors(self.layers[i][1], spec.start, spec.stop))
+            self.units_of[i].append(u)
+        self.nbytes = [spec.nbytes for spec in self.specs]
+        prev = [old.get(spec, (0, -1, 0)) for spec in self.specs]
+        self.launch_counts = [c for c, _, _ in prev]
+        #: the step at which each unit was last averaged (-1: never)
+        self.last_sync = [s for _, s, _ in prev]
+        #: the most local steps any unit went through between two averagings (the first from step 0)
+        self.max_gap = [g for _, _, g in prev]
+        self._ready = [False] * self.n
 
     def attach(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Forward pre-hooks on every module holding a layer's parameter, and a step pre-hook on each
@@ -102,61 +127,66 @@ class LayerAverager:
         self._hooks = []
 
     # -- one backward -----------------------------------------------------------------------------
-    def begin(self, step: int, fwd_indices: Sequence[int]) -> None:
-        """Average the layers of forward indices ``fwd_indices`` in the coming backward of ``step``."""
+    def begin(self, step: int, units: Sequence[int]) -> None:
+        """Average ``units`` (indices into :meth:`set_units`' list) in the coming backward of ``step``."""
         self._step = step
-        self._order = [self.fwd_to_layer[f] for f in sorted(set(fwd_indices), reverse=True)]
+        self._order = sorted(set(units), reverse=True)
         self._ready = [False] * self.n
         self._cursor = 0
 
     def on_layer(self, i: int) -> None:
-        """Layer ``i`` was just updated: launch it (and any layer waiting on it) if scheduled."""
-        self._ready[i] = True
+        """Layer ``i`` was just updated: launch its units (and any unit waiting on them) if scheduled."""
+        for u in self.units_of[i]:
+            self._ready[u] = True
         order = self._order
         while self._cursor < len(order) and self._ready[order[self._cursor]]:
             self._launch(order[self._cursor])
             self._cursor += 1
 
     def flush(self) -> None:
-        """Launch the scheduled layers not launched yet (after the backward)."""
+        """Launch the scheduled units not launched yet (after the backward)."""
         while self._cursor < len(self._order):
             self._launch(self._order[self._cursor])
             self._cursor += 1
 
-    def _launch(self, i: int) -> None:
-        name, ps = self.layers[i]
-        self.wait_layer(i)  # never two averagings of one layer in flight
+    def _launch(self, u: int) -> None:
+        self.wait_unit(u)  # never two averagings of one unit in flight
         h = igrouped_allreduce(
-            [p.detach() for p in ps], inplace=True, name=f"partial-sync:{name}", group=self.group
+            self.units[u], inplace=True, name=f"partial-sync:{self.specs[u].name}", group=self.group
         )
-        self._pending[i] = h
-        self.launch_counts[i] += 1
-        self.max_gap[i] = max(self.max_gap[i], self._step - self.last_sync[i])
-        self.last_sync[i] = self._step
+        self._pending[u] = h
+        self.launch_counts[u] += 1
+        self.max_gap[u] = max(self.max_gap[u], self._step - self.last_sync[u])
+        self.last_sync[u] = self._step
         if self.timing and self.group.size > 1:
-            entry = [time.perf_counter(), float(self.nbytes[i]), math.nan]
+            entry = [time.perf_counter(), float(self.nbytes[u]), math.nan]
 
             def record(_result: object, entry: list[float] = entry) -> None:
                 entry[2] = time.perf_counter()
 
             self._log.append(entry)
-            self._pending[i] = h.then(record)
+            self._pending[u] = h.then(record)
 
     # -- waiting ----------------------------------------------------------------------------------
     def pending(self) -> int:
         """Number of averagings launched and not waited for."""
         return len(self._pending)
 
-    def wait_layer(self, i: int) -> None:
-        """Wait (bounded by the runtime's timeout) for layer ``i``'s pending averaging, if any."""
-        h = self._pending.pop(i, None)
+    def wait_unit(self, u: int) -> None:
+        """Wait (bounded by the runtime's timeout) for unit ``u``'s pending averaging, if any."""
+        h = self._pending.pop(u, None)
         if h is not None:
             h.wait()
 
+    def wait_layer(self, i: int) -> None:
+        """Wait for the pending averagings of every unit of layer ``i``."""
+        for u in self.units_of[i]:
+            self.wait_unit(u)
+
     def wait_all(self) -> None:
         """Wait for every pending averaging, in launch order."""
-        for i in list(self._pending):
-            self.wait_layer(i)
+        for u in list(self._pending):
+            self.wait_unit(u)
 
     # -- measurements -----------------------------------------------------------------------------
     def take_comm_samples(self) -> list[tuple[int, float]]:

@@ -22,6 +22,10 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   ranks agree (one 2-float allreduce) on the seconds per byte they achieved, the first period after a
   (re)schedule being the baseline. When it moved by more than that fraction, the links are re-measured
   (``refit_comm``), and the schedule rebuilt, identically on all ranks, from the next period on.
+- ``split``: the unit of synchronisation (:mod:`lowband.localsgd.units`). ``0`` schedules whole layers
+  (the paper); ``N`` cuts layers larger than ``N`` bytes into chunks scheduled on their own; ``"auto"``
+  (DreamDDP's default) schedules whole layers and chunks of total/(kH) bytes (k = 1, 2, 4) and keeps the
+  one with the shortest predicted period. PLSGD-ENP and FLSGD-overlap default to whole layers.
 - ``divergence_every > 0``: log Gamma (the model divergence) every that many steps (``divergence_log``).
 - Buffers (BatchNorm statistics) are not averaged, and the initial parameters are not broadcast: seed
   the model identically on every rank (Algorithm 1 starts from one ``w_0``).
@@ -45,6 +49,7 @@ from lowband.localsgd.profiler import load_profile, profile_model, refit_comm
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
 from lowband.localsgd.schedulers import make_schedule
+from lowband.localsgd.units import UnitSpec, auto_candidates, layer_geometry, plan_units, unit_profile
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
@@ -63,6 +68,8 @@ class PartialSyncStrategy(Strategy):
     name = "dreamddp"
     #: the scheduler (``lowband.localsgd.make_schedule`` method) of this variant
     method = "dreamddp"
+    #: ``split`` when none is given: DreamDDP chooses chunks; the paper's baselines keep whole layers
+    default_split: int | str = "auto"
 
     def __init__(
         self,
@@ -75,6 +82,7 @@ class PartialSyncStrategy(Strategy):
         schedule: Schedule | None = None,
         reprofile_drift: float = 0.0,
         divergence_every: int = 0,
+        split: int | str | None = None,
     ) -> None:
         where = f"{type(self).__name__} on rank {group.world_rank}"
         self._where = where
@@ -101,6 +109,12 @@ class PartialSyncStrategy(Strategy):
             raise InvalidArgumentError(
                 f"{where}: divergence_every must be an int >= 0, got {divergence_every!r}"
             )
+        if split is None:
+            split = self.default_split
+        if split != "auto" and (isinstance(split, bool) or not isinstance(split, int) or split < 0):
+            raise InvalidArgumentError(
+                f"{where}: split must be 'auto' or a chunk size in bytes >= 0 (0: whole layers), got {split!r}"
+            )
         if isinstance(profile, (str, Path)):
             profile = load_profile(profile)
         elif profile is not None and not isinstance(profile, CostProfile):
@@ -124,19 +138,23 @@ class PartialSyncStrategy(Strategy):
         self.divergence_log: list[tuple[int, float]] = []
         self._baseline: float | None = None  # seconds per byte achieved in the first timed period
         self._names = [n for n, _ in layers]
+        self.split: int | str = split
+        #: the chunk limit in use (bytes; 0: whole layers), chosen by ``split="auto"`` at each (re)schedule
+        self.split_bytes = 0
+        self.unit_profile: CostProfile | None = None
         self.averager = LayerAverager(layers, group.unchecked())
         self.averager.timing = self.reprofile_drift > 0 and group.size > 1
         lw = LayerwiseOptimizer(layers, make_optimizer, on_layer=self.averager.on_layer)
         super().__init__(model, lw, group)
         self.averager.attach(model, lw.optimizers)
         try:
-            if profile is not None:
-                self._set_profile(profile)
             if schedule is not None:
-                schedule.validate(len(layers))
+                if profile is not None:
+                    self._set_units(profile, split if isinstance(split, int) else 0)
+                schedule.validate(self.averager.n)
                 self.schedule = schedule
-            elif self.profile is not None:
-                self.schedule = make_schedule(self.method, self.profile, period)
+            elif profile is not None:
+                self._reschedule(profile, agree=False)
             # one allgather: same layers (names, shapes, dtypes), period, variant and schedule everywhere
             layout = [(n, [(tuple(p.shape), str(p.dtype)) for p in ps]) for n, ps in layers]
             self._agree(
@@ -148,20 +166,24 @@ class PartialSyncStrategy(Strategy):
             raise
 
     # -- schedule and profile ---------------------------------------------------------------------
-    def _set_profile(self, profile: CostProfile) -> None:
+    def _plan(self, profile: CostProfile, max_bytes: int) -> list[UnitSpec]:
         names = [lc.name for lc in profile.layers]
         if sorted(names) != sorted(self._names):
             raise InvalidArgumentError(
                 f"{self._where}: the profile's layers {names} are not the model's layers {self._names}"
             )
-        self.profile = profile
-        self.averager.set_order([self._names.index(n) for n in names])
+        geo = [layer_geometry(self.averager.layers[self._names.index(n)][1]) for n in names]
+        return plan_units(profile, [g[0] for g in geo], [g[1] for g in geo], max_bytes)
+
+    def _set_units(self, profile: CostProfile, max_bytes: int) -> None:
+        specs = self._plan(profile, max_bytes)
+        self.profile, self.split_bytes = profile, max_bytes
+        self.unit_profile = unit_profile(profile, specs)
+        self.averager.set_units(specs)
 
     def _schedule_crc(self) -> int:
         s = self.schedule
-        return (
-            0 if s is None else _crc((s.period, s.sets, [self._names[i] for i in self.averager.fwd_to_layer]))
-        )
+        return 0 if s is None else _crc((s.period, s.sets, [u.name for u in self.averager.specs]))
 
     def _agree(self, what: str, values: list[int]) -> None:
         """Raise :class:`CollectiveMismatchError` on every rank unless all ranks passed equal ``values``."""
@@ -174,12 +196,26 @@ class PartialSyncStrategy(Strategy):
                 f"{self._where}: ranks {bad} differ from rank {g.ranks[0]} in {what}"
             )
 
-    def _reschedule(self, profile: CostProfile) -> None:
-        self._set_profile(profile)
-        sched = make_schedule(self.method, profile, self.period)
-        sched.validate(len(self._names))
-        self.schedule = sched
-        self._agree("the schedule", [self._schedule_crc()])
+    def _reschedule(self, profile: CostProfile, *, agree: bool = True) -> None:
+        """Units and schedule from ``profile``: with ``split="auto"`` the chunk limit (of
+        :func:`~lowband.localsgd.units.auto_candidates`) whose schedule predicts the shortest period,
+        whole layers on ties."""
+        if self.split == "auto":
+            total = sum(lc.nbytes for lc in profile.layers)
+            limits = auto_candidates(total, self.period)
+        else:
+            limits = [int(self.split)]
+        best: tuple[int, Schedule] | None = None
+        for c in limits:
+            sched = make_schedule(self.method, unit_profile(profile, self._plan(profile, c)), self.period)
+            if best is None or sched.predicted_period < best[1].predicted_period * (1.0 - 1e-9):
+                best = (c, sched)
+        assert best is not None
+        self._set_units(profile, best[0])
+        best[1].validate(self.averager.n)
+        self.schedule = best[1]
+        if agree:
+            self._agree("the schedule", [self._schedule_crc()])
 
     def _profile_now(self, loss_fn: LossFn) -> None:
         assert isinstance(self.optimizer, LayerwiseOptimizer)
@@ -245,11 +281,13 @@ class PartialSyncStrategy(Strategy):
     def in_sync(self) -> bool:
         """True when the last step averaged every layer (H = 1, or ``full`` at the end of a period)."""
         s = self.schedule
-        return s is not None and self.steps > 0 and len(s.layers_at(self.steps - 1)) == len(self._names)
+        return s is not None and self.steps > 0 and len(s.layers_at(self.steps - 1)) == self.averager.n
 
     # -- reports and checkpoints ------------------------------------------------------------------
     def hparams(self) -> dict[str, Any]:
         hp: dict[str, Any] = {"H": self.period}
+        if self.split != self.default_split:
+            hp["split"] = self.split
         if self.reprofile_drift:
             hp["drift"] = self.reprofile_drift
         return hp
@@ -260,7 +298,9 @@ class PartialSyncStrategy(Strategy):
             "predicted_step_s": self.predicted_step_time(),
             "schedule_method": None if s is None else s.method,
             "schedule": None if s is None else [list(x) for x in s.sets],
-            "layers": [self._names[i] for i in self.averager.fwd_to_layer],
+            "layers": [u.name for u in self.averager.specs],
+            "units": [[u.layer, u.start, u.stop] for u in self.averager.specs],
+            "split_bytes": self.split_bytes,
             "averagings": list(self.averager.launch_counts),
             "max_gap": list(self.averager.max_gap),
             "reschedules": self.reschedules,
@@ -286,7 +326,9 @@ class PartialSyncStrategy(Strategy):
         return {
             "profile": None if self.profile is None else self.profile.to_json(),
             "schedule": None if self.schedule is None else self.schedule.to_json(),
-            "order": [self._names[i] for i in a.fwd_to_layer],
+            "order": [u.name for u in a.specs],
+            "units": [[u.name, u.layer, u.start, u.stop, u.nbytes] for u in a.specs],
+            "split_bytes": self.split_bytes,
             "launch_counts": list(a.launch_counts),
             "last_sync": list(a.last_sync),
             "max_gap": list(a.max_gap),
@@ -299,29 +341,52 @@ class PartialSyncStrategy(Strategy):
         where = f"{self._where}.load_state_dict"
         if "schedule" not in state or "order" not in state:
             raise InvalidArgumentError(f"{where}: checkpoint has no partial-synchronisation state")
-        order = list(state["order"])
-        if sorted(order) != sorted(self._names):
-            raise InvalidArgumentError(
-                f"{where}: checkpoint layers {order} are not the model's {self._names}"
-            )
+        specs = self._specs_from_state(where, state)
         if state["profile"] is not None:
-            self._set_profile(CostProfile.from_json(state["profile"]))
-        self.averager.set_order([self._names.index(n) for n in order])
+            prof = CostProfile.from_json(state["profile"])
+            self._plan(prof, 0)  # checks the profile's layers
+            self.profile = prof
+            self.unit_profile = unit_profile(prof, specs)
+        self.split_bytes = int(state.get("split_bytes", 0))
+        self.synchronize()
+        self.averager.set_units(specs)
         if state["schedule"] is not None:
             sched = Schedule.from_json(state["schedule"])
-            sched.validate(len(self._names))
+            sched.validate(len(specs))
             self.schedule, self.period = sched, sched.period
         a = self.averager
-        n = len(self._names)
+        n = len(specs)
         for key in ("launch_counts", "last_sync", "max_gap"):
             vals = [int(x) for x in state.get(key, getattr(a, key))]
             if len(vals) != n:
-                raise InvalidArgumentError(f"{where}: {key} has {len(vals)} entries, the model {n} layers")
+                raise InvalidArgumentError(f"{where}: {key} has {len(vals)} entries, the schedule {n} units")
             setattr(a, key, vals)
         self.reschedules = int(state.get("reschedules", 0))
         self._baseline = state.get("baseline")
         self.divergence_log = [(int(s), float(g)) for s, g in state.get("divergence_log", [])]
         self._agree("the restored schedule", [self._schedule_crc(), self.period])
+
+    def _specs_from_state(self, where: str, state: dict[str, Any]) -> list[UnitSpec]:
+        """The checkpoint's units (checkpoints without ``units`` hold whole layers, named by ``order``)."""
+        numel = {n: sum(p.numel() for p in ps) for n, ps in self.averager.layers}
+        if "units" in state:
+            specs = [UnitSpec(str(a), str(b), int(c), int(d), int(e)) for a, b, c, d, e in state["units"]]
+        else:
+            nb = {n: sum(p.numel() * p.element_size() for p in ps) for n, ps in self.averager.layers}
+            specs = [UnitSpec(n, n, 0, numel.get(n, 0), nb.get(n, 0)) for n in state["order"]]
+        covered: dict[str, int] = {}
+        for u in specs:
+            if u.layer not in numel or not 0 <= u.start <= u.stop <= numel[u.layer]:
+                raise InvalidArgumentError(
+                    f"{where}: checkpoint unit {u.name!r} ({u.layer}[{u.start}:{u.stop}]) does not fit the "
+                    f"model's layers {self._names}"
+                )
+            covered[u.layer] = covered.get(u.layer, 0) + u.stop - u.start
+        if covered != numel:
+            raise InvalidArgumentError(
+                f"{where}: checkpoint units do not cover the model's layers {self._names} exactly once"
+            )
+        return specs
 
     def close(self) -> None:
         self.averager.detach()
@@ -335,6 +400,7 @@ class PartialSyncStrategy(Strategy):
 class PLSGDENPStrategy(PartialSyncStrategy):
     name = "plsgd-enp"
     method = "enp"
+    default_split = 0
 
 
 @register_strategy(
@@ -343,3 +409,4 @@ class PLSGDENPStrategy(PartialSyncStrategy):
 class FLSGDOverlapStrategy(PartialSyncStrategy):
     name = "flsgd-overlap"
     method = "full"
+    default_split = 0

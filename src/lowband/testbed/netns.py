@@ -55,6 +55,10 @@ RANK_IF = "veth0"
 TBF_LATENCY = "100ms"
 MIN_BURST = 64 * 1024
 DEFAULT_PORT = 29500
+#: default MTU of the emulated links: jumbo frames, as in data-center networks. At 1500 the kernel's
+#: per-packet work for 4 ranks at 100 Mbit/s (veth, bridge, tbf's throttling timer) took 30-40% of this
+#: 2-core machine's CPU, stolen from training; at 9000 about 5% (measured, docs/ARCHITECTURE.md).
+DEFAULT_MTU = 9000
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,9 +90,9 @@ def shaping_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _tbf_args(rate: float) -> list[str]:
-    """tbf parameters: burst of 4 ms of traffic at ``rate``, at least 64 KiB; 100 ms queue."""
-    burst = max(MIN_BURST, int(rate / 8 / 250))
+def _tbf_args(rate: float, mtu: int = DEFAULT_MTU) -> list[str]:
+    """tbf parameters: burst of 4 ms of traffic at ``rate``, at least 64 KiB and 2 frames; 100 ms queue."""
+    burst = max(MIN_BURST, int(rate / 8 / 250), 2 * (mtu + 64))
     return ["rate", f"{int(rate)}bit", "burst", str(burst), "latency", TBF_LATENCY]
 
 
@@ -130,7 +134,13 @@ class Testbed:
     __test__ = False  # not a pytest test class, despite the name
 
     def __init__(
-        self, layout: Layout, *, mode: str = "auto", prefix: str = "lb", port: int | None = None
+        self,
+        layout: Layout,
+        *,
+        mode: str = "auto",
+        prefix: str = "lb",
+        port: int | None = None,
+        mtu: int = DEFAULT_MTU,
     ) -> None:
         if not isinstance(layout, Layout):
             raise InvalidArgumentError(
@@ -143,6 +153,9 @@ class Testbed:
         check_prefix(prefix)
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
             raise InvalidArgumentError(f"lowband.testbed.Testbed: port must be in 1..65535, got {port!r}")
+        if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65000:
+            raise InvalidArgumentError(f"lowband.testbed.Testbed: mtu must be in 576..65000, got {mtu!r}")
+        self.mtu = mtu
         if layout.n_machines > 250:
             raise InvalidArgumentError(
                 f"lowband.testbed.Testbed: at most 250 machines per testbed, got {layout.n_machines}"
@@ -194,7 +207,7 @@ class Testbed:
 
     def label(self) -> str:
         if self.shaped:
-            return f"netns+tbf: {self.layout.describe()}"
+            return f"netns+tbf: {self.layout.describe()}, MTU {self.mtu}"
         return f"loopback (UNSHAPED: {self.reason}): {self.layout.world_size} ranks"
 
     def master_addr(self) -> str:
@@ -259,16 +272,42 @@ class Testbed:
             run_cmd(
                 ["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", RANK_IF, "netns", ns]
             )
-            run_cmd(["ip", "-n", br, "link", "set", port, "mtu", "1500", "master", BRIDGE, "up"])
-            run_cmd(["ip", "-n", ns, "link", "set", RANK_IF, "mtu", "1500", "up"])
+            run_cmd(["ip", "-n", br, "link", "set", port, "mtu", str(self.mtu), "master", BRIDGE, "up"])
+            run_cmd(["ip", "-n", ns, "link", "set", RANK_IF, "mtu", str(self.mtu), "up"])
             run_cmd(["ip", "-n", ns, "addr", "add", f"{self.address(m)}/24", "dev", RANK_IF])
             run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
             if spec.up is not None:
-                run_cmd(["tc", "-n", ns, "qdisc", "add", "dev", RANK_IF, "root", "tbf", *_tbf_args(spec.up)])
+                run_cmd(
+                    [
+                        "tc",
+                        "-n",
+                        ns,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        RANK_IF,
+                        "root",
+                        "tbf",
+                        *_tbf_args(spec.up, self.mtu),
+                    ]
+                )
             if spec.down is not None:
-                run_cmd(["tc", "-n", br, "qdisc", "add", "dev", port, "root", "tbf", *_tbf_args(spec.down)])
+                run_cmd(
+                    [
+                        "tc",
+                        "-n",
+                        br,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        port,
+                        "root",
+                        "tbf",
+                        *_tbf_args(spec.down, self.mtu),
+                    ]
+                )
             if self.layout.intra is not None and self.layout.ranks_per_machine > 1:
-                run_cmd(["ip", "-n", ns, "link", "set", "lo", "mtu", "1500"])
+                run_cmd(["ip", "-n", ns, "link", "set", "lo", "mtu", str(self.mtu)])
                 run_cmd(
                     [
                         "tc",
@@ -280,7 +319,7 @@ class Testbed:
                         "lo",
                         "root",
                         "tbf",
-                        *_tbf_args(self.layout.intra),
+                        *_tbf_args(self.layout.intra, self.mtu),
                     ]
                 )
             if spec.delay_ms > 0:
