@@ -2,7 +2,11 @@
 
 Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds``):
 
-- iteration time: the slowest rank's step time. A round's mean is one sample (periodic strategies
+- iteration time: the job's pace. Step k ends when the last rank ends it, and lasts from the end of
+  step k-1 (the first from the moment the first rank leaves the round's barrier), so a round's step
+  times add up to its wall-clock time. (Before 2026-11-23 session 3 it was the slowest rank's own step
+  duration, which on oversubscribed cores counts every rank's scheduling jitter as the job's; DDP reads
+  the same under both.) A round's mean is one sample (periodic strategies
   communicate in some steps only, so a per-step median would hide their synchronizations);
   reported as the median, min and max over rounds, and the overall mean.
 - throughput: items (samples or tokens, all ranks) per second of training.
@@ -16,6 +20,8 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
 - time to target loss: training time until the moving average of the training loss (window =
   ``smooth`` steps) first reaches the target; the default target is the worst of the strategies' final
   moving averages, so that every strategy reaches it.
+- set-up time: a strategy's one-time work inside its first step (DreamDDP's lazy profile, from its
+  report's ``profile_s``); the time to target loss is also given without it.
 - time to target accuracy: training time at the first held-out evaluation (one per round) reaching the
   target accuracy; default target: the worst of the strategies' final accuracies.
 - predicted vs measured: strategies with a cost model report ``predicted_step_s``; the table shows it and
@@ -116,6 +122,8 @@ def summarize(
         bound = max(compute or 0.0, wire * 8 / link_rate if link_rate else 0.0)
         last_eval = run["evals"][-1] if run["evals"] else {}
         predicted = run.get("report", {}).get("predicted_step_s")
+        setup = float(run.get("report", {}).get("profile_s") or 0.0)
+        ttt = time_to_target(run, target, smooth)
         rows[k] = {
             "label": run["label"],
             "iter_time_median": it,
@@ -132,7 +140,11 @@ def summarize(
             "final_train_loss": finals[k],
             "eval_loss": last_eval.get("loss"),
             "eval_accuracy": last_eval.get("accuracy"),
-            "time_to_target": time_to_target(run, target, smooth),
+            "time_to_target": ttt,
+            # one-time set-up inside the first step (DreamDDP's lazy profile), and the time to target
+            # without it: in a long training run it is negligible, in a 100-step bench it is not
+            "setup_time": setup,
+            "time_to_target_excl_setup": None if ttt is None else max(0.0, ttt - setup),
             "train_time": run["segments"][-1]["wall_end"],
             "steps": run["segments"][-1]["first_step"] + len(run["segments"][-1]["step_times"]),
             "in_sync": run["in_sync"],

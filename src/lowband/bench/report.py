@@ -37,7 +37,7 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
     if tacc is not None:
         head.append(f"time to acc {tacc * 100:.1f}% (s)")
     if with_pred:
-        head += ["predicted ms", "measured/predicted"]
+        head += ["predicted ms", "measured/predicted", "profiling s", "time to loss w/o profiling (s)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.values():
         acc = r["eval_accuracy"]
@@ -58,6 +58,7 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
             cells.append(_num(r.get("time_to_target_accuracy"), "{:.1f}"))
         if with_pred:
             cells += [_ms(r.get("predicted_iter_time")), _num(r.get("measured_over_predicted"), "{:.2f}")]
+            cells += [_num(r.get("setup_time"), "{:.1f}"), _num(r.get("time_to_target_excl_setup"), "{:.1f}")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -83,7 +83,14 @@ def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) 
     all_losses = _gather(losses)
     wire = _gather([float(tx1 - tx0), float(rx1 - rx0)])
     n = lowband.size()
-    step_times = [max(all_ends[r][k] - all_starts[r][k] for r in range(n)) for k in range(len(starts))]
+    # the job's pace: step k ends when the last rank ends it; the segment starts when the first rank
+    # leaves the barrier, so the step times add up to the segment's wall-clock time
+    prev = min(all_starts[r][0] for r in range(n)) if starts else 0.0
+    step_times = []
+    for k in range(len(starts)):
+        end = max(all_ends[r][k] for r in range(n))
+        step_times.append(max(0.0, end - prev))
+        prev = max(prev, end)
     mean_loss = [sum(all_losses[r][k] for r in range(n)) / n for k in range(len(starts))]
     first_step = run.strategy.steps - len(starts)
     run.segments.append(

@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from lowband.comm.collectives import allreduce, iallreduce
+from lowband.comm.collectives import allgather, allreduce, iallreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.profiler import LossFn, _check_int, _preserved, _sync
@@ -58,13 +58,14 @@ def measure_interference(
     """Measure the cost model's interference ``(kappa, sigma)`` on ``model`` and the group's links (every
     rank of ``group`` calls it at once).
 
-    Per repeat: (a) one forward + backward of ``loss_fn(model)`` quietly; (b) one blocking allreduce of a
+    Per repeat: (a) one forward + backward of ``loss_fn(model)`` quietly, the ranks lined up first so
+    that all of them compute at once; (b) one blocking allreduce of a
     float32 buffer of ``nbytes`` bytes (default: the model's parameter bytes, capped at
     :data:`INTERFERENCE_CAP`) quietly; (c) the same allreduce nonblocking, with forward + backward passes
     run back to back until it completes. ``kappa = median(busy pass) / median(quiet pass) - 1`` (busy
     passes: those that ended before the allreduce did; the first pass if none did), ``sigma = median(busy
-    allreduce) / median(quiet allreduce) - 1``, both clamped to ``>= 0``, then the MAX across ranks (one
-    small allreduce), so every rank returns the same pair. A world of one returns ``(0.0, 0.0)``. The
+    allreduce) / median(quiet allreduce) - 1``, both clamped to ``>= 0``, then the MEDIAN across ranks (one
+    small allgather), so every rank returns the same pair. A world of one returns ``(0.0, 0.0)``. The
     model is left unchanged (gradients, buffers, CPU RNG state restored); no optimizer is stepped."""
     ctx, g = world_group(group, "measure_interference")
     where = f"measure_interference on rank {ctx.rank}"
@@ -92,7 +93,12 @@ def measure_interference(
     with _preserved(model, params):
         allreduce(buf, inplace=True, group=g)  # warm-up; with the check on, the ranks' sizes are validated
         _one_pass(model, loss_fn, params, where)  # warm-up
+        tick = torch.zeros(1)
         for _ in range(repeats):
+            # every rank computes at once, as in training: on shared cores a pass run while the other
+            # ranks idle would be faster than any training step and inflate kappa
+            allreduce(tick, inplace=True, group=fast)
+            quiet_pass.append(_one_pass(model, loss_fn, params, where))
             quiet_pass.append(_one_pass(model, loss_fn, params, where))
             t0 = time.perf_counter()
             allreduce(buf, inplace=True, group=fast)  # also lines the ranks up for (c)
@@ -111,5 +117,6 @@ def measure_interference(
             busy_pass.append(statistics.median(full))
     kappa = _ratio_excess(statistics.median(busy_pass), statistics.median(quiet_pass))
     sigma = _ratio_excess(statistics.median(busy_comm), statistics.median(quiet_comm))
-    red = allreduce(torch.tensor([kappa, sigma], dtype=torch.float64), "max", group=g).tolist()
-    return float(red[0]), float(red[1])
+    table = allgather(torch.tensor([[kappa, sigma]], dtype=torch.float64), group=g)
+    rows = table.tolist()  # the median over ranks: one rank's noisy estimate does not set it
+    return float(statistics.median(r[0] for r in rows)), float(statistics.median(r[1] for r in rows))

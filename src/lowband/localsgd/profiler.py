@@ -11,18 +11,22 @@
   hooks; the first from the start of backward), so non-parameter ops are charged to the next layer in
   backward order; the tail after the last ready layer goes to that layer. Layers that get no gradient
   cost 0 and come last in backward order (as :class:`~lowband.optim.LayerwiseOptimizer` steps them).
-- Medians over ``repeats`` timed iterations after ``warmup``; then the per-layer times are reduced
+- Medians over ``repeats`` timed iterations after ``warmup``, the ranks lined up before each (one
+  one-element allreduce); then the per-layer times are reduced
   across ranks with the MAX (one small allgather): in local SGD every averaging waits for the slowest
-  rank. Every rank gets the same profile (rank 0's backward order if the ranks' orders differ).
+  rank. Every rank gets the same profile (rank 0's backward order if the ranks' orders differ). Then
+  the layers' times are scaled together so that their sum is the ranks' typical whole pass (mean over
+  ranks of each rank's median pass): per-layer maxima add up to more than any real pass.
 - Communication: blocking ``allreduce`` (average) of float32 buffers of several sizes on the group,
   median per size, MAX across ranks, then ``comm(bytes) = alpha + beta * bytes`` by least squares;
   ``LayerCost.comm = alpha + beta * nbytes``. A world of one has no communication: ``alpha = beta = 0``.
 - Interference (:func:`measure_interference`, the cost model's ``kappa``/``sigma``): forward + backward
   passes timed quietly and while a nonblocking allreduce is in flight, the allreduce timed quietly and
-  while passes run back to back; ratios of medians minus one, MAX across ranks (0 in a world of one).
+  while passes run back to back; ratios of medians minus one, median across ranks (0 in a world of one).
 
-Profiling leaves the model as it found it: parameters (it steps no optimizer: strategies disable their
-backward hooks first), gradients, buffers (BatchNorm statistics) and the CPU RNG state are restored.
+Profiling leaves gradients, buffers (BatchNorm statistics) and the CPU RNG state as it found them. It
+steps no optimizer itself; a caller whose backward hooks step one (the DreamDDP strategies, so the
+profile includes the per-layer update) restores the parameters and the optimizer state afterwards.
 Times on CUDA are taken after ``torch.cuda.synchronize()``.
 """
 
@@ -233,8 +237,9 @@ class _LayerTimer:
 
     def run(
         self, loss_fn: LossFn, model: nn.Module, where: str
-    ) -> tuple[list[float], list[float], list[int]]:
-        """One forward + backward: per-layer forward and backward seconds, and the backward order."""
+    ) -> tuple[list[float], list[float], list[int], float]:
+        """One forward + backward: per-layer forward and backward seconds, the backward order, and the
+        wall time of the whole pass."""
         self.fwd = [0.0] * self.n
         self._stack.clear()
         self._seen = [0] * self.n
@@ -262,7 +267,7 @@ class _LayerTimer:
         if order:
             bwd[order[-1]] += max(0.0, te - prev)
         order += [i for i in reversed(range(self.n)) if i not in set(order)]
-        return fwd, bwd, order
+        return fwd, bwd, order, te - t0
 
     def remove(self) -> None:
         for h in self._hooks:
@@ -308,16 +313,21 @@ def profile_model(
     fwds: list[list[float]] = []
     bwds: list[list[float]] = []
     orders: list[tuple[int, ...]] = []
+    walls: list[float] = []
     try:
+        tick = torch.zeros(1)
         with _preserved(model, params):
             for it in range(warmup + repeats):
+                # all ranks compute at once, as in training (on shared cores a lone rank runs faster)
+                allreduce(tick, inplace=True, group=g.unchecked())
                 for p in params:
                     p.grad = None
-                f, b, o = timer.run(loss_fn, model, where)
+                f, b, o, w = timer.run(loss_fn, model, where)
                 if it >= warmup:
                     fwds.append(f)
                     bwds.append(b)
                     orders.append(tuple(o))
+                    walls.append(w)
     finally:
         timer.remove()
     order = Counter(orders).most_common(1)[0][0]
@@ -326,10 +336,19 @@ def profile_model(
     pos = [0.0] * n
     for k, i in enumerate(order):
         pos[i] = float(k)
-    table = allgather(torch.tensor([*fwd, *bwd, *pos], dtype=torch.float64), group=g).view(g.size, 3 * n)
+    row = torch.tensor([*fwd, *bwd, *pos, *walls], dtype=torch.float64)
+    table = allgather(row, group=g).view(g.size, 3 * n + repeats)
     fwd = table[:, :n].amax(0).tolist()
     bwd = table[:, n : 2 * n].amax(0).tolist()
     order = tuple(sorted(range(n), key=lambda i: float(table[0, 2 * n + i])))  # rank 0's order
+    # per-layer maxima of medians add up to more than any real pass (each layer's worst rank): scale the
+    # layers so that one forward + backward takes the ranks' typical pass, the mean over ranks of each
+    # rank's median pass (the ranks compute at once, as in training)
+    typical = sum(statistics.median(row) for row in table[:, 3 * n :].tolist()) / g.size
+    hooked = sum(fwd) + sum(bwd)
+    if hooked > 0.0 and typical > 0.0:
+        fwd = [x * typical / hooked for x in fwd]
+        bwd = [x * typical / hooked for x in bwd]
     sizes = comm_sizes_for(max(nbytes)) if comm_sizes is None else comm_sizes
     alpha, beta, _ = measure_comm(g, sizes, comm_repeats)
     costs = tuple(

@@ -33,6 +33,8 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
 
 from __future__ import annotations
 
+import copy
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -142,6 +144,8 @@ class PartialSyncStrategy(Strategy):
         #: the chunk limit in use (bytes; 0: whole layers), chosen by ``split="auto"`` at each (re)schedule
         self.split_bytes = 0
         self.unit_profile: CostProfile | None = None
+        #: seconds the lazy profile at the first step took (one-time set-up; 0 when a profile was given)
+        self.profile_seconds = 0.0
         self.averager = LayerAverager(layers, group.unchecked())
         self.averager.timing = self.reprofile_drift > 0 and group.size > 1
         lw = LayerwiseOptimizer(layers, make_optimizer, on_layer=self.averager.on_layer)
@@ -218,13 +222,24 @@ class PartialSyncStrategy(Strategy):
             self._agree("the schedule", [self._schedule_crc()])
 
     def _profile_now(self, loss_fn: LossFn) -> None:
+        """Profile on this batch with the per-layer updates on (their time is part of each layer's
+        backward), averaging nothing; then put the parameters and the optimizer state back (a transient
+        copy of both, at the first step only)."""
         assert isinstance(self.optimizer, LayerwiseOptimizer)
-        self.optimizer.enabled = False
+        params = [p for _, ps in self.averager.layers for p in ps]
+        saved = [p.detach().clone() for p in params]
+        opt_state = copy.deepcopy(self.optimizer.state_dict())
+        self.averager.begin(self.steps, ())
+        t0 = time.perf_counter()
         try:
             prof = profile_model(self.local_module, loss_fn, group=self.group)
         finally:
-            self.optimizer.enabled = True
+            with torch.no_grad():
+                for p, old in zip(params, saved):
+                    p.copy_(old)
+            self.optimizer.load_state_dict(opt_state)
         self._reschedule(prof)
+        self.profile_seconds = time.perf_counter() - t0
 
     def predicted_step_time(self) -> float | None:
         """The schedule's predicted mean iteration time in seconds (None before the schedule exists)."""
@@ -304,6 +319,7 @@ class PartialSyncStrategy(Strategy):
             "averagings": list(self.averager.launch_counts),
             "max_gap": list(self.averager.max_gap),
             "reschedules": self.reschedules,
+            "profile_s": self.profile_seconds,
             # the profile's measured interference (None before profiling), see localsgd.costmodel
             "kappa": None if self.profile is None else self.profile.kappa,
             "sigma": None if self.profile is None else self.profile.sigma,
