@@ -144,7 +144,7 @@ def test_layout_errors() -> None:
     with pytest.raises(InvalidArgumentError, match="layout must be a Layout"):
         Testbed("4x100mbit")  # type: ignore[arg-type]
     for bad_mtu in (100, 70000, 1500.0, True):
-        with pytest.raises(InvalidArgumentError, match="mtu must be in 576..65000"):
+        with pytest.raises(InvalidArgumentError, match=r"mtu must be in 576\.\.65000"):
             Testbed(Layout.flat(2, None), mtu=bad_mtu)  # type: ignore[arg-type]
 
 

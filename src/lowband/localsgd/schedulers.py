@@ -32,6 +32,7 @@ from lowband.localsgd.costmodel import (
     iteration_time,
 )
 from lowband.localsgd.schedule import Schedule, check_period
+from lowband.localsgd.search import schedule_dreamddp_ls
 
 SetCost = Callable[[CostProfile, Iterable[int]], float]
 SET_COSTS: dict[str, SetCost] = {"event": iteration_time, "eq8": eq8_set_cost}
@@ -172,6 +173,7 @@ SCHEDULERS: dict[str, Scheduler] = {
     "bruteforce": schedule_bruteforce,
     "enp": schedule_enp,
     "full": schedule_full,
+    "dreamddp-ls": schedule_dreamddp_ls,
 }
 
 

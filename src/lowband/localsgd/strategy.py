@@ -22,6 +22,9 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   ranks agree (one 2-float allreduce) on the seconds per byte they achieved, the first period after a
   (re)schedule being the baseline. When it moved by more than that fraction, the links are re-measured
   (``refit_comm``), and the schedule rebuilt, identically on all ranks, from the next period on.
+- ``scheduler``: any :func:`~lowband.localsgd.make_schedule` method. DreamDDP's default is
+  ``"dreamddp"`` (Algorithm 2 + bubble filling as published); ``"dreamddp-ls"`` adds a local search
+  beyond consecutive runs (:mod:`lowband.localsgd.search`; measured no faster here, see the README).
 - ``split``: the unit of synchronisation (:mod:`lowband.localsgd.units`). ``0`` schedules whole layers
   (the paper); ``N`` cuts layers larger than ``N`` bytes into chunks scheduled on their own; ``"auto"``
   (DreamDDP's default) schedules whole layers and chunks of total/(kH) bytes (k = 1, 2, 4) and keeps the
@@ -50,7 +53,7 @@ from lowband.localsgd.divergence import model_divergence
 from lowband.localsgd.profiler import load_profile, profile_model, refit_comm
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
-from lowband.localsgd.schedulers import make_schedule
+from lowband.localsgd.schedulers import make_schedule, scheduler_names
 from lowband.localsgd.units import UnitSpec, auto_candidates, layer_geometry, plan_units, unit_profile
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
@@ -68,7 +71,7 @@ def _crc(obj: object) -> int:
 )
 class PartialSyncStrategy(Strategy):
     name = "dreamddp"
-    #: the scheduler (``lowband.localsgd.make_schedule`` method) of this variant
+    #: the default scheduler (``lowband.localsgd.make_schedule`` method) of this variant
     method = "dreamddp"
     #: ``split`` when none is given: DreamDDP chooses chunks; the paper's baselines keep whole layers
     default_split: int | str = "auto"
@@ -85,6 +88,7 @@ class PartialSyncStrategy(Strategy):
         reprofile_drift: float = 0.0,
         divergence_every: int = 0,
         split: int | str | None = None,
+        scheduler: str | None = None,
     ) -> None:
         where = f"{type(self).__name__} on rank {group.world_rank}"
         self._where = where
@@ -111,6 +115,13 @@ class PartialSyncStrategy(Strategy):
             raise InvalidArgumentError(
                 f"{where}: divergence_every must be an int >= 0, got {divergence_every!r}"
             )
+        if scheduler is None:
+            scheduler = type(self).method
+        if scheduler not in scheduler_names():
+            raise InvalidArgumentError(
+                f"{where}: scheduler must be one of {scheduler_names()}, got {scheduler!r}"
+            )
+        self.method = scheduler
         if split is None:
             split = self.default_split
         if split != "auto" and (isinstance(split, bool) or not isinstance(split, int) or split < 0):
@@ -303,6 +314,8 @@ class PartialSyncStrategy(Strategy):
         hp: dict[str, Any] = {"H": self.period}
         if self.split != self.default_split:
             hp["split"] = self.split
+        if self.method != type(self).method:
+            hp["scheduler"] = self.method
         if self.reprofile_drift:
             hp["drift"] = self.reprofile_drift
         return hp
