@@ -31,7 +31,6 @@ from lowband.comm import (
     send,
     wait_all,
 )
-from lowband.comm.priority import prioritize_comm_threads
 from lowband.errors import (
     CollectiveMismatchError,
     CommFailedError,
@@ -68,6 +67,6 @@ __all__ = [
     "allreduce", "alltoall", "barrier", "broadcast", "chrome_trace", "counters", "gather_counters", "grouped_allreduce",
     "iallgather", "iallreduce", "ialltoall", "ibarrier", "ibroadcast", "igrouped_allreduce", "init",
     "irecv", "ireduce_scatter", "is_initialized", "isend", "launch", "local_group", "local_rank",
-    "local_size", "machine_group", "machine_rank", "machine_size", "new_group", "prioritize_comm_threads", "rank", "recv",
+    "local_size", "machine_group", "machine_rank", "machine_size", "new_group", "rank", "recv",
     "reduce_scatter", "reset_trace", "send", "set_check", "set_trace", "shutdown", "size", "wait_all", "world",
 ]  # fmt: skip

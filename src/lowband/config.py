@@ -42,15 +42,12 @@ class Config:
         (``LOWBAND_CHECK=0``) once a program is known to be right.
     fusion_threshold: bytes per fusion buffer for grouped ops (0 disables fusion).
     trace: record byte counters and a timeline of every op.
-    comm_priority: run gloo's communication threads under SCHED_FIFO, ahead of computation on shared
-        CPU cores (``LOWBAND_COMM_PRIORITY=1``; needs root; see :mod:`lowband.comm.priority`).
     """
 
     timeout: float = DEFAULT_TIMEOUT_S
     check: bool = True
     fusion_threshold: int = DEFAULT_FUSION_THRESHOLD
     trace: bool = False
-    comm_priority: bool = False
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -67,7 +64,6 @@ class Config:
         check: bool | None = None,
         fusion_threshold: int | None = None,
         trace: bool | None = None,
-        comm_priority: bool | None = None,
     ) -> Config:
         """Explicit arguments win over ``LOWBAND_TIMEOUT``/``LOWBAND_CHECK``/``LOWBAND_FUSION_THRESHOLD``/``LOWBAND_TRACE``."""
         return cls(
@@ -77,7 +73,4 @@ class Config:
             if fusion_threshold is not None
             else int(_env_float("LOWBAND_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD)),
             trace=trace if trace is not None else _env_bool("LOWBAND_TRACE", False),
-            comm_priority=comm_priority
-            if comm_priority is not None
-            else _env_bool("LOWBAND_COMM_PRIORITY", False),
         )

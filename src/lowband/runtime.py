@@ -98,7 +98,6 @@ def init(
     fusion_threshold: int | None = None,
     trace: bool | None = None,
     local_size: int | None = None,
-    comm_priority: bool | None = None,
 ) -> Context:
     """Initialise lowband on this process.
 
@@ -108,14 +107,12 @@ def init(
 
     ``local_size`` ranks form one machine (default: ``LOWBAND_LOCAL_SIZE``, else torchrun's
     ``LOCAL_WORLD_SIZE``, else the whole world); it may be set smaller to emulate several machines.
-    Calling ``init`` again returns the existing context. ``comm_priority`` (default
-    ``LOWBAND_COMM_PRIORITY``): gloo's threads run under SCHED_FIFO (:mod:`lowband.comm.priority`), those
-    of groups made later by :func:`new_group` too.
+    Calling ``init`` again returns the existing context.
     """
     global _global
     if is_initialized():
         return current()
-    config = Config.from_env(timeout, check, fusion_threshold, trace, comm_priority)
+    config = Config.from_env(timeout, check, fusion_threshold, trace)
     td = datetime.timedelta(seconds=config.timeout)
     owns = False
     if not dist.is_initialized():
@@ -132,23 +129,7 @@ def init(
     ctx = Context(rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), owns_default_pg=owns)
     _global = ctx
     _make_hierarchy(ctx)
-    if config.comm_priority:
-        _raise_comm_threads(rank)
     return ctx
-
-
-def _raise_comm_threads(rank: int) -> None:
-    from lowband.comm.priority import prioritize_comm_threads
-
-    _, refused = prioritize_comm_threads()
-    if refused:
-        import warnings
-
-        warnings.warn(
-            f"lowband rank {rank}: comm_priority needs CAP_SYS_NICE (root); {refused} communication "
-            "threads keep the normal policy",
-            stacklevel=3,
-        )
 
 
 def init_thread_rank(
@@ -215,14 +196,7 @@ def new_group(ranks: list[int], name: str | None = None) -> Group | None:
         raise InvalidArgumentError(
             f"lowband.new_group on rank {ctx.rank}: ranks must be distinct world ranks in [0, {ctx.size}), got {rl}"
         )
-    g = _new_group(ctx, sorted(rl), name or f"group{ctx._group_counter}")
-    if ctx.config.comm_priority:
-        if g is not None:  # gloo starts a group's worker threads at its first op: start them now
-            import torch
-
-            g.unchecked().pg.allreduce([torch.zeros(1)]).wait(datetime.timedelta(seconds=ctx.config.timeout))
-        _raise_comm_threads(ctx.rank)
-    return g
+    return _new_group(ctx, sorted(rl), name or f"group{ctx._group_counter}")
 
 
 def shutdown() -> None:

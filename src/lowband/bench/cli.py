@@ -62,11 +62,6 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
         default=dflt.mtu,
         help=f"MTU of the emulated links (default {dflt.mtu}, jumbo frames)",
     )
-    p.add_argument(
-        "--comm-priority", choices=["on", "off"], default="on" if dflt.comm_priority else "off",
-        help="gloo's threads under SCHED_FIFO in every rank (root; default on: on 2 shared cores a woken "
-        "communication thread otherwise waits for a time slice at every step of a collective)",
-    )  # fmt: skip
     p.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
     p.add_argument("--rounds", type=int, default=dflt.rounds)
     p.add_argument("--steps-per-round", type=int, default=dflt.steps_per_round)
@@ -103,7 +98,6 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
         intra_rate=ns.intra_rate,
         delay_ms=ns.delay_ms,
         mtu=ns.mtu,
-        comm_priority=ns.comm_priority == "on",
         mode=ns.mode,
         rounds=ns.rounds,
         steps_per_round=ns.steps_per_round,

@@ -26,8 +26,6 @@ class BenchConfig:
     delay_ms: float = 0.0
     #: MTU of the emulated links (see lowband.testbed.netns.DEFAULT_MTU)
     mtu: int = 9000
-    #: gloo's threads under SCHED_FIFO in every rank, for every strategy (lowband.comm.priority; root)
-    comm_priority: bool = True
     #: "auto" (network namespaces when root, else loopback), "netns" or "loopback"
     mode: str = "auto"
     batch_size: int | None = None

@@ -24,12 +24,6 @@ from lowband.bench.metrics import summarize
 from lowband.bench.report import markdown_table, plot_all, sweep_table
 from lowband.errors import LowbandError
 from lowband.testbed import Layout, Testbed
-from lowband.testbed.leftovers import have_root
-
-
-def comm_priority_on(cfg: BenchConfig) -> bool:
-    """Whether the ranks raise gloo's threads (asked for, and root: the kernel refuses otherwise)."""
-    return cfg.comm_priority and have_root()
 
 
 def make_layout(cfg: BenchConfig) -> Layout:
@@ -72,11 +66,7 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False)
             stdouts: list[Any] = [subprocess.PIPE, *logs[1:]]
             procs = tb.spawn(
                 [sys.executable, "-m", "lowband.bench.worker", str(cfg_path.resolve())],
-                env={
-                    "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": str(cfg.threads),
-                    "LOWBAND_COMM_PRIORITY": "1" if comm_priority_on(cfg) else "0",
-                },
+                env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(cfg.threads)},
                 stdout=stdouts,
                 stderr=logs,
             )
@@ -119,7 +109,6 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False)
         "config": dataclasses.asdict(cfg),
         "testbed": label,
         "shaped": shaped,
-        "comm_priority": comm_priority_on(cfg),
         "link_rate_bits": link_rate,
         "workload": raw["workload"],
         "unit": raw["unit"],
@@ -132,8 +121,7 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False)
     table = markdown_table(summary, raw["unit"])
     header = (
         f"### {title}\n\n{raw['workload']}; batch {raw['batch_size']}/rank; {cfg.rounds} rounds x "
-        f"{cfg.steps_per_round} steps per strategy, alternated, first {cfg.warmup_rounds} round(s) untimed; "
-        + ("gloo threads SCHED_FIFO" if comm_priority_on(cfg) else "gloo threads at normal priority")
+        f"{cfg.steps_per_round} steps per strategy, alternated, first {cfg.warmup_rounds} round(s) untimed"
         + ("" if shaped else "\n\n**UNSHAPED** (loopback): " + tb.reason)
     )
     md = f"{header}\n\n{table}\n"

@@ -24,7 +24,6 @@ import torch
 import lowband
 from lowband.bench.config import BenchConfig
 from lowband.bench.workloads import Workload, get_workload
-from lowband.comm.priority import prioritize_comm_threads
 from lowband.strategies import Strategy, make_strategy, parse_strategy_spec
 from lowband.testbed import read_iface_bytes
 
@@ -65,8 +64,6 @@ def _gather(values: list[float]) -> list[list[float]]:
 
 
 def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) -> None:
-    if os.environ.get("LOWBAND_COMM_PRIORITY") == "1":
-        prioritize_comm_threads()  # also the threads of groups the strategies made themselves
     lowband.barrier()
     tx0, rx0 = _iface_bytes()
     starts, ends, losses, items = [], [], [], 0
