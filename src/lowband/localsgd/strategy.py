@@ -54,7 +54,14 @@ from lowband.localsgd.profiler import load_profile, profile_model, refit_comm
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
 from lowband.localsgd.schedulers import make_schedule, scheduler_names
-from lowband.localsgd.units import UnitSpec, auto_candidates, layer_geometry, plan_units, unit_profile
+from lowband.localsgd.units import (
+    UnitSpec,
+    auto_candidates,
+    layer_geometry,
+    plan_units,
+    specs_from_checkpoint,
+    unit_profile,
+)
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
@@ -370,7 +377,7 @@ class PartialSyncStrategy(Strategy):
         where = f"{self._where}.load_state_dict"
         if "schedule" not in state or "order" not in state:
             raise InvalidArgumentError(f"{where}: checkpoint has no partial-synchronisation state")
-        specs = self._specs_from_state(where, state)
+        specs = specs_from_checkpoint(where, state, self.averager.layers)
         if state["profile"] is not None:
             prof = CostProfile.from_json(state["profile"])
             self._plan(prof, 0)  # checks the profile's layers
@@ -394,28 +401,6 @@ class PartialSyncStrategy(Strategy):
         self._baseline = state.get("baseline")
         self.divergence_log = [(int(s), float(g)) for s, g in state.get("divergence_log", [])]
         self._agree("the restored schedule", [self._schedule_crc(), self.period])
-
-    def _specs_from_state(self, where: str, state: dict[str, Any]) -> list[UnitSpec]:
-        """The checkpoint's units (checkpoints without ``units`` hold whole layers, named by ``order``)."""
-        numel = {n: sum(p.numel() for p in ps) for n, ps in self.averager.layers}
-        if "units" in state:
-            specs = [UnitSpec(str(a), str(b), int(c), int(d), int(e)) for a, b, c, d, e in state["units"]]
-        else:
-            nb = {n: sum(p.numel() * p.element_size() for p in ps) for n, ps in self.averager.layers}
-            specs = [UnitSpec(n, n, 0, numel.get(n, 0), nb.get(n, 0)) for n in state["order"]]
-        covered: dict[str, int] = {}
-        for u in specs:
-            if u.layer not in numel or not 0 <= u.start <= u.stop <= numel[u.layer]:
-                raise InvalidArgumentError(
-                    f"{where}: checkpoint unit {u.name!r} ({u.layer}[{u.start}:{u.stop}]) does not fit the "
-                    f"model's layers {self._names}"
-                )
-            covered[u.layer] = covered.get(u.layer, 0) + u.stop - u.start
-        if covered != numel:
-            raise InvalidArgumentError(
-                f"{where}: checkpoint units do not cover the model's layers {self._names} exactly once"
-            )
-        return specs
 
     def close(self) -> None:
         self.averager.detach()

@@ -19,8 +19,9 @@ as synchronised once every chunk of it was averaged.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -137,3 +138,31 @@ def layer_geometry(params: Sequence[torch.Tensor]) -> tuple[int, int]:
     sizes = {p.element_size() for p in params}
     ok = len(sizes) == 1 and all(p.is_contiguous() for p in params)
     return numel, (sizes.pop() if ok else 0)
+
+
+def specs_from_checkpoint(
+    where: str, state: Mapping[str, Any], layers: Sequence[tuple[str, Sequence[torch.Tensor]]]
+) -> list[UnitSpec]:
+    """A checkpoint's units (``state["units"]``; checkpoints without them hold whole layers named by
+    ``state["order"]``), checked against the model's ``layers``: every unit inside a layer, every layer
+    covered exactly once."""
+    names = [n for n, _ in layers]
+    numel = {n: sum(p.numel() for p in ps) for n, ps in layers}
+    if "units" in state:
+        specs = [UnitSpec(str(a), str(b), int(c), int(d), int(e)) for a, b, c, d, e in state["units"]]
+    else:
+        nb = {n: sum(p.numel() * p.element_size() for p in ps) for n, ps in layers}
+        specs = [UnitSpec(n, n, 0, numel.get(n, 0), nb.get(n, 0)) for n in state["order"]]
+    covered: dict[str, int] = {}
+    for u in specs:
+        if u.layer not in numel or not 0 <= u.start <= u.stop <= numel[u.layer]:
+            raise InvalidArgumentError(
+                f"{where}: checkpoint unit {u.name!r} ({u.layer}[{u.start}:{u.stop}]) does not fit the "
+                f"model's layers {names}"
+            )
+        covered[u.layer] = covered.get(u.layer, 0) + u.stop - u.start
+    if covered != numel:
+        raise InvalidArgumentError(
+            f"{where}: checkpoint units do not cover the model's layers {names} exactly once"
+        )
+    return specs
