@@ -94,3 +94,19 @@ def test_lazy_profile_includes_the_updates_and_restores_adam() -> None:
     for out in res:
         assert out["bwd"] >= 4 * 0.01 * 0.9, out["bwd"]  # 4 layers, each step sleeps 10 ms
     _check_against_oracle([out["summary"] for out in res], "mlp", "adam", 2, R)
+
+
+def test_example_script_under_the_launcher(tmp_path: Any) -> None:
+    """examples/dreamddp_train.py under `lowband run -n 2` (torchrun): profiles, saves the profile,
+    resumes from a checkpoint to the same parameters (the script exits non-zero otherwise)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    prof = tmp_path / "prof.json"
+    cmd = [sys.executable, "-m", "lowband.cli", "run", "-n", "2", str(root / "examples" / "dreamddp_train.py"),
+           "--steps", "20", "--profile-out", str(prof)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "resumed run identical: True" in out.stdout and prof.exists()
