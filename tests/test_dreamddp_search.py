@@ -12,9 +12,10 @@ from test_dreamddp import OPTS, H, R, _batch, _check_against_oracle, _loss, _mlp
 import lowband
 from lowband.errors import InvalidArgumentError
 from lowband.localsgd import make_schedule
-from lowband.localsgd.costmodel import period_time, random_profile
+from lowband.localsgd.costmodel import period_time
 from lowband.localsgd.search import refine_sets
 from lowband.localsgd.strategy import PartialSyncStrategy
+from lowband.localsgd.synthetic import random_profile
 from lowband.strategies import make_strategy
 from lowband.testing import run_threads
 

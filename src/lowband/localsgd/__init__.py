@@ -21,7 +21,6 @@ from lowband.localsgd.algorithm2 import (
 )
 from lowband.localsgd.costmodel import (
     CostProfile,
-    IntervalCosts,
     LayerCost,
     comm_end,
     eq8_set_cost,
@@ -31,12 +30,12 @@ from lowband.localsgd.costmodel import (
     iteration_times,
     objective_eq8,
     period_time,
-    random_profile,
 )
 
 # the profiler (measures), the runtime (averages layers in place) and the strategies built on them
 from lowband.localsgd.divergence import model_divergence
 from lowband.localsgd.interference import measure_interference
+from lowband.localsgd.intervals import IntervalCosts
 from lowband.localsgd.profiler import (
     fit_comm,
     load_profile,
@@ -58,6 +57,7 @@ from lowband.localsgd.schedulers import (
     scheduler_names,
 )
 from lowband.localsgd.strategy import FLSGDOverlapStrategy, PartialSyncStrategy, PLSGDENPStrategy
+from lowband.localsgd.synthetic import random_profile
 
 __all__ = [
     "SCHEDULERS",

@@ -41,13 +41,8 @@ from __future__ import annotations
 import copy
 
 from lowband.errors import InvalidArgumentError
-from lowband.localsgd.costmodel import (
-    CostProfile,
-    IntervalCosts,
-    add_layer,
-    iteration_time,
-    start_state,
-)
+from lowband.localsgd.costmodel import CostProfile, add_layer, iteration_time, start_state
+from lowband.localsgd.intervals import IntervalCosts
 from lowband.localsgd.schedule import Schedule, check_period
 
 Sets = tuple[tuple[int, ...], ...]

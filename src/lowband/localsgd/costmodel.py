@@ -39,7 +39,6 @@ that equal inputs give bit-identical results whichever function computes them.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -392,91 +391,3 @@ def objective_eq8(profile: CostProfile, sets: Sequence[Iterable[int]]) -> float:
     for s in sets:
         total += eq8_set_cost(profile, s)
     return total
-
-
-def random_profile(
-    L: int,
-    seed: int,
-    *,
-    comm_ratio: float = 1.0,
-    alpha_share: float = 0.1,
-) -> CostProfile:
-    """A random but plausible profile for tests and benchmarks (``random.Random(seed)``, portable).
-
-    Backward times are log-normal around 1 ms, forward times about half of them; layer sizes log-normal
-    (median ~440 KB); ``comm = alpha + beta * nbytes`` with ``alpha`` taking ``alpha_share`` of the total
-    and ``beta`` scaled so that ``sum(comm) == comm_ratio * sum(bwd)``."""
-    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
-        raise InvalidArgumentError(f"random_profile: L must be an int >= 1, got {L!r}")
-    ratio = _check_time("random_profile", "comm_ratio", comm_ratio)
-    share = _check_time("random_profile", "alpha_share", alpha_share)
-    if share > 1.0:
-        raise InvalidArgumentError(f"random_profile: alpha_share must be in [0, 1], got {alpha_share!r}")
-    rng = random.Random(seed)
-    bwd = [1e-3 * rng.lognormvariate(0.0, 0.6) for _ in range(L)]
-    fwd = [b * rng.uniform(0.3, 0.7) for b in bwd]
-    nbytes = [max(4, int(rng.lognormvariate(13.0, 1.5))) for _ in range(L)]
-    total_comm = ratio * sum(bwd)
-    alpha = share * total_comm / L
-    beta = (total_comm - L * alpha) / sum(nbytes)
-    comm = [alpha + beta * n for n in nbytes]
-    layers = tuple(LayerCost(f"layer{i}", fwd[i], bwd[i], comm[i], nbytes[i]) for i in range(L))
-    return CostProfile(layers, alpha, beta)
-
-
-class IntervalCosts:
-    """Cost of one iteration whose set is an interval of layers ``lo..hi`` (forward indices), memoised.
-
-    ``objective="event"``: the event model (bit-identical to ``iteration_time(profile, range(lo, hi + 1))``);
-    ``objective="eq8"``: one term of Eq. 8 (bit-identical to ``eq8_set_cost``). Costs of all intervals
-    sharing a top layer ``hi`` are computed together in one backward sweep, O(L) per top layer."""
-
-    def __init__(self, profile: CostProfile, objective: str = "event") -> None:
-        if objective not in INTERVAL_OBJECTIVES:
-            raise InvalidArgumentError(
-                f"IntervalCosts: objective must be one of {sorted(INTERVAL_OBJECTIVES)}, got {objective!r}"
-            )
-        self.profile = profile
-        self.objective = objective
-        self._rows: dict[int, list[float]] = {}
-        p = profile
-        self.empty = p.fwd_total + max(p.bwd_total, -math.inf) if objective == "event" else p.bwd_total
-
-    def cost(self, lo: int, hi: int) -> float:
-        """Cost of the set ``{lo, ..., hi}`` (``lo > hi``: the empty set)."""
-        if lo > hi:
-            return self.empty
-        row = self._rows.get(hi)
-        if row is None:
-            row = self._rows[hi] = INTERVAL_OBJECTIVES[self.objective](self.profile, hi)
-        return row[lo]
-
-
-def _event_row(p: CostProfile, hi: int) -> list[float]:
-    row = [0.0] * (hi + 1)
-    if p.interference:  # the same operations as iteration_time, sharing the timeline's prefix
-        state = start_state(p, hi)
-        row[hi] = p.fwd_total + max(finish(p, state))
-        for i in range(hi - 1, -1, -1):
-            state = add_layer(p, state, i)
-            row[i] = p.fwd_total + max(finish(p, state))
-        return row
-    ends = p.bwd_ends
-    end = -math.inf
-    for i in range(hi, -1, -1):
-        end = max(ends[i], end) + p.layers[i].comm
-        row[i] = p.fwd_total + max(p.bwd_total, end)
-    return row
-
-
-def _eq8_row(p: CostProfile, hi: int) -> list[float]:
-    row = [0.0] * (hi + 1)
-    s = 0.0
-    for i in range(hi, -1, -1):
-        s += p.layers[i].comm
-        row[i] = p.bwd_ends[hi] + max(p.bwd_below[hi], s)
-    return row
-
-
-# objective name -> (profile, top layer) -> costs of the intervals lo..top for lo = 0..top
-INTERVAL_OBJECTIVES = {"event": _event_row, "eq8": _eq8_row}

@@ -24,13 +24,8 @@ from typing import Any
 
 from lowband.errors import InvalidArgumentError
 from lowband.localsgd.algorithm2 import Sets, schedule_dreamddp
-from lowband.localsgd.costmodel import (
-    INTERVAL_OBJECTIVES,
-    CostProfile,
-    IntervalCosts,
-    eq8_set_cost,
-    iteration_time,
-)
+from lowband.localsgd.costmodel import CostProfile, eq8_set_cost, iteration_time
+from lowband.localsgd.intervals import INTERVAL_OBJECTIVES, IntervalCosts
 from lowband.localsgd.schedule import Schedule, check_period
 from lowband.localsgd.search import schedule_dreamddp_ls
 
