@@ -53,10 +53,10 @@ from lowband.localsgd.divergence import model_divergence
 from lowband.localsgd.profiler import load_profile, profile_model, refit_comm
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
-from lowband.localsgd.schedulers import make_schedule, scheduler_names
+from lowband.localsgd.schedulers import scheduler_names
 from lowband.localsgd.units import (
     UnitSpec,
-    auto_candidates,
+    choose_split,
     layer_geometry,
     plan_units,
     specs_from_checkpoint,
@@ -219,23 +219,13 @@ class PartialSyncStrategy(Strategy):
             )
 
     def _reschedule(self, profile: CostProfile, *, agree: bool = True) -> None:
-        """Units and schedule from ``profile``: with ``split="auto"`` the chunk limit (of
-        :func:`~lowband.localsgd.units.auto_candidates`) whose schedule predicts the shortest period,
-        whole layers on ties."""
-        if self.split == "auto":
-            total = sum(lc.nbytes for lc in profile.layers)
-            limits = auto_candidates(total, self.period)
-        else:
-            limits = [int(self.split)]
-        best: tuple[int, Schedule] | None = None
-        for c in limits:
-            sched = make_schedule(self.method, unit_profile(profile, self._plan(profile, c)), self.period)
-            if best is None or sched.predicted_period < best[1].predicted_period * (1.0 - 1e-9):
-                best = (c, sched)
-        assert best is not None
-        self._set_units(profile, best[0])
-        best[1].validate(self.averager.n)
-        self.schedule = best[1]
+        """Units and schedule from ``profile`` (:func:`~lowband.localsgd.units.choose_split`)."""
+        c, sched = choose_split(
+            profile, lambda m: self._plan(profile, m), self.period, self.split, self.method
+        )
+        self._set_units(profile, c)
+        sched.validate(self.averager.n)
+        self.schedule = sched
         if agree:
             self._agree("the schedule", [self._schedule_crc()])
 

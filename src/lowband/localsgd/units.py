@@ -19,7 +19,7 @@ as synchronised once every chunk of it was averaged.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,8 @@ import torch
 
 from lowband.errors import InvalidArgumentError
 from lowband.localsgd.costmodel import CostProfile, LayerCost
+from lowband.localsgd.schedule import Schedule
+from lowband.localsgd.schedulers import make_schedule
 
 #: smallest chunk ``split="auto"`` considers (bytes): below it the per-message latency dominates
 MIN_AUTO_CHUNK = 16 << 10
@@ -166,3 +168,24 @@ def specs_from_checkpoint(
             f"{where}: checkpoint units do not cover the model's layers {names} exactly once"
         )
     return specs
+
+
+def choose_split(
+    profile: CostProfile,
+    plan: Callable[[int], Sequence[UnitSpec]],
+    H: int,
+    split: int | str,
+    method: str,
+) -> tuple[int, Schedule]:
+    """The chunk limit and the schedule (scheduler ``method``, period ``H``) for ``profile``: ``split``
+    itself when it is a number of bytes; for ``"auto"`` the limit of :func:`auto_candidates` whose
+    schedule predicts the shortest period (whole layers on ties). ``plan(limit)`` gives the units."""
+    total = sum(lc.nbytes for lc in profile.layers)
+    limits = auto_candidates(total, H) if split == "auto" else [int(split)]
+    best: tuple[int, Schedule] | None = None
+    for c in limits:
+        sched = make_schedule(method, unit_profile(profile, plan(c)), H)
+        if best is None or sched.predicted_period < best[1].predicted_period * (1.0 - 1e-9):
+            best = (c, sched)
+    assert best is not None
+    return best
