@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lowband.errors import InvalidArgumentError
+from lowband.testbed.links import DEFAULT_MTU, check_mtu
 
 DEFAULT_STRATEGIES = ("ddp", "powersgd", "localsgd:period=5")
 
@@ -24,8 +25,8 @@ class BenchConfig:
     ranks_per_machine: int = 1
     intra_rate: str | None = None
     delay_ms: float = 0.0
-    #: MTU of the emulated links (see lowband.testbed.netns.DEFAULT_MTU)
-    mtu: int = 9000
+    #: MTU of the emulated links (see lowband.testbed.links.DEFAULT_MTU)
+    mtu: int = DEFAULT_MTU
     #: "auto" (network namespaces when root, else loopback), "netns" or "loopback"
     mode: str = "auto"
     batch_size: int | None = None
@@ -89,8 +90,7 @@ class BenchConfig:
             raise bad(
                 f"rates has {len(self.rates)} entries; need one per machine ({self.world_size // self.ranks_per_machine})"
             )
-        if isinstance(self.mtu, bool) or not isinstance(self.mtu, int) or not 576 <= self.mtu <= 65000:
-            raise bad(f"mtu must be an integer in 576..65000, got {self.mtu!r}")
+        check_mtu("lowband bench", self.mtu)
         if self.mode not in ("auto", "netns", "loopback"):
             raise bad(f"mode must be auto, netns or loopback, got {self.mode!r}")
         if self.batch_size is not None and self.batch_size < 1:

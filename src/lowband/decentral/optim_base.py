@@ -169,8 +169,8 @@ class WrapperBase(torch.optim.Optimizer):
         self._hooks = []
 
     def synchronize(self) -> None:
-        """Complete every operation in flight."""
-        raise NotImplementedError
+        """Complete every operation in flight (every concrete optimizer defines it)."""
+        raise NotImplementedError(f"{type(self).__name__} must define synchronize()")
 
     def in_flight(self) -> list[int]:
         """The layers (indices into :attr:`layers`) whose communication is in flight."""

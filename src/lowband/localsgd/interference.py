@@ -58,8 +58,8 @@ def measure_interference(
     """Measure the cost model's interference ``(kappa, sigma)`` on ``model`` and the group's links (every
     rank of ``group`` calls it at once).
 
-    Per repeat: (a) one forward + backward of ``loss_fn(model)`` quietly, the ranks lined up first so
-    that all of them compute at once; (b) one blocking allreduce of a
+    Per repeat: (a) two forward + backward passes of ``loss_fn(model)`` quietly, the ranks lined up
+    first so that all of them compute at once; (b) one blocking allreduce of a
     float32 buffer of ``nbytes`` bytes (default: the model's parameter bytes, capped at
     :data:`INTERFERENCE_CAP`) quietly; (c) the same allreduce nonblocking, with forward + backward passes
     run back to back until it completes. ``kappa = median(busy pass) / median(quiet pass) - 1`` (busy

@@ -64,6 +64,12 @@ class LayerAverager:
         self._step = 0
         self._log: list[list[float]] = []  # [launch time, bytes, completion time (nan until known)]
         self._hooks: list[Any] = []
+        self.specs: list[UnitSpec] = []
+        self.launch_counts: list[int] = []
+        #: the step at which each unit was last averaged (-1: never)
+        self.last_sync: list[int] = []
+        #: the most local steps any unit went through between two averagings (the first from step 0)
+        self.max_gap: list[int] = []
         self.set_units([UnitSpec(n, n, 0, sum(p.numel() for p in ps), _nbytes(ps)) for n, ps in self.layers])
 
     # -- setup ------------------------------------------------------------------------------------
@@ -72,10 +78,7 @@ class LayerAverager:
         Per-unit counters are kept for units whose spec is unchanged, reset for new ones."""
         if self._pending:
             raise RuntimeError("LayerAverager.set_units: averagings are in flight; wait_all() first")
-        old = {spec: (c, s, g) for spec, c, s, g in zip(
-            getattr(self, "specs", []), getattr(self, "launch_counts", []),
-            getattr(self, "last_sync", []), getattr(self, "max_gap", []),
-        )}  # fmt: skip
+        old = dict(zip(self.specs, zip(self.launch_counts, self.last_sync, self.max_gap)))
         self.specs = list(specs)
         self.n = len(self.specs)
         self.units: list[list[torch.Tensor]] = []
@@ -84,12 +87,9 @@ class LayerAverager:
             i = self._layer_index[spec.layer]
             self.units.append(unit_tensors(self.layers[i][1], spec.start, spec.stop))
             self.units_of[i].append(u)
-        self.nbytes = [spec.nbytes for spec in self.specs]
         prev = [old.get(spec, (0, -1, 0)) for spec in self.specs]
         self.launch_counts = [c for c, _, _ in prev]
-        #: the step at which each unit was last averaged (-1: never)
         self.last_sync = [s for _, s, _ in prev]
-        #: the most local steps any unit went through between two averagings (the first from step 0)
         self.max_gap = [g for _, _, g in prev]
         self._ready = [False] * self.n
 
@@ -159,7 +159,7 @@ class LayerAverager:
         self.max_gap[u] = max(self.max_gap[u], self._step - self.last_sync[u])
         self.last_sync[u] = self._step
         if self.timing and self.group.size > 1:
-            entry = [time.perf_counter(), float(self.nbytes[u]), math.nan]
+            entry = [time.perf_counter(), float(self.specs[u].nbytes), math.nan]
 
             def record(_result: object, entry: list[float] = entry) -> None:
                 entry[2] = time.perf_counter()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -172,7 +173,7 @@ class PartialSyncStrategy(Strategy):
         try:
             if schedule is not None:
                 if profile is not None:
-                    self._set_units(profile, split if isinstance(split, int) else 0)
+                    self._set_units(profile, split if isinstance(split, int) else 0, self._planner(profile))
                 schedule.validate(self.averager.n)
                 self.schedule = schedule
             elif profile is not None:
@@ -188,17 +189,20 @@ class PartialSyncStrategy(Strategy):
             raise
 
     # -- schedule and profile ---------------------------------------------------------------------
-    def _plan(self, profile: CostProfile, max_bytes: int) -> list[UnitSpec]:
+    def _planner(self, profile: CostProfile) -> Callable[[int], list[UnitSpec]]:
+        """Checks that ``profile`` holds the model's layers; returns ``max_bytes -> units``."""
         names = [lc.name for lc in profile.layers]
         if sorted(names) != sorted(self._names):
             raise InvalidArgumentError(
                 f"{self._where}: the profile's layers {names} are not the model's layers {self._names}"
             )
-        geo = [layer_geometry(self.averager.layers[self._names.index(n)][1]) for n in names]
-        return plan_units(profile, [g[0] for g in geo], [g[1] for g in geo], max_bytes)
+        params = dict(self.averager.layers)
+        geo = [layer_geometry(params[n]) for n in names]
+        numels, sizes = [g[0] for g in geo], [g[1] for g in geo]
+        return lambda max_bytes: plan_units(profile, numels, sizes, max_bytes)
 
-    def _set_units(self, profile: CostProfile, max_bytes: int) -> None:
-        specs = self._plan(profile, max_bytes)
+    def _set_units(self, profile: CostProfile, max_bytes: int, plan: Callable[[int], list[UnitSpec]]) -> None:
+        specs = plan(max_bytes)
         self.profile, self.split_bytes = profile, max_bytes
         self.unit_profile = unit_profile(profile, specs)
         self.averager.set_units(specs)
@@ -220,10 +224,9 @@ class PartialSyncStrategy(Strategy):
 
     def _reschedule(self, profile: CostProfile, *, agree: bool = True) -> None:
         """Units and schedule from ``profile`` (:func:`~lowband.localsgd.units.choose_split`)."""
-        c, sched = choose_split(
-            profile, lambda m: self._plan(profile, m), self.period, self.split, self.method
-        )
-        self._set_units(profile, c)
+        plan = self._planner(profile)
+        c, sched = choose_split(profile, plan, self.period, self.split, self.method)
+        self._set_units(profile, c, plan)
         sched.validate(self.averager.n)
         self.schedule = sched
         if agree:
@@ -370,7 +373,7 @@ class PartialSyncStrategy(Strategy):
         specs = specs_from_checkpoint(where, state, self.averager.layers)
         if state["profile"] is not None:
             prof = CostProfile.from_json(state["profile"])
-            self._plan(prof, 0)  # checks the profile's layers
+            self._planner(prof)  # checks the profile's layers
             self.profile = prof
             self.unit_profile = unit_profile(prof, specs)
         self.split_bytes = int(state.get("split_bytes", 0))

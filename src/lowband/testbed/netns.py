@@ -36,7 +36,7 @@ from lowband.testbed.leftovers import (
     list_testbeds,
     run_cmd,
 )
-from lowband.testbed.links import Layout
+from lowband.testbed.links import DEFAULT_MTU, Layout, check_mtu
 from lowband.testbed.procs import kill_group, start_procs, wait_procs
 
 __all__ = [
@@ -55,10 +55,6 @@ RANK_IF = "veth0"
 TBF_LATENCY = "100ms"
 MIN_BURST = 64 * 1024
 DEFAULT_PORT = 29500
-#: default MTU of the emulated links: jumbo frames, as in data-center networks. At 1500 the kernel's
-#: per-packet work for 4 ranks at 100 Mbit/s (veth, bridge, tbf's throttling timer) took 30-40% of this
-#: 2-core machine's CPU, stolen from training; at 9000 about 5% (measured, docs/ARCHITECTURE.md).
-DEFAULT_MTU = 9000
 
 
 @functools.lru_cache(maxsize=1)
@@ -153,9 +149,7 @@ class Testbed:
         check_prefix(prefix)
         if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
             raise InvalidArgumentError(f"lowband.testbed.Testbed: port must be in 1..65535, got {port!r}")
-        if isinstance(mtu, bool) or not isinstance(mtu, int) or not 576 <= mtu <= 65000:
-            raise InvalidArgumentError(f"lowband.testbed.Testbed: mtu must be in 576..65000, got {mtu!r}")
-        self.mtu = mtu
+        self.mtu = check_mtu("lowband.testbed.Testbed", mtu)
         if layout.n_machines > 250:
             raise InvalidArgumentError(
                 f"lowband.testbed.Testbed: at most 250 machines per testbed, got {layout.n_machines}"
