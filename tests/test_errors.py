@@ -151,12 +151,12 @@ MISMATCH_CASES: list[tuple[str, Callable[[], Any], str]] = [
     (
         "allreduce-op",
         lambda: lowband.allreduce(torch.ones(2), op="sum" if lowband.rank() else "max"),
-        r"allreduce on rank {rank} .*op differ",
+        r"allreduce on rank {rank} .*op differ .*rank 0 called allreduce .* with op='max', rank 1 .* with op='sum'",
     ),
     (
         "broadcast-root",
         lambda: lowband.broadcast(torch.ones(2), root=lowband.rank()),
-        r"broadcast on rank {rank} .*root differ",
+        r"broadcast on rank {rank} .*root differ .*shape \(2,\) from root 0, rank 1 .* from root 1",
     ),
     (
         "broadcast-shape",

@@ -60,7 +60,7 @@ def iallreduce(
     rop = validate.check_reduce_op("allreduce", ctx.rank, op, t.dtype)
     if checking(ctx, g) and g.size > 1:
         sig = validate.signature("allreduce", t.dtype, t.shape, _OP_ARG[rop], (), g.size)
-        validate.agree("allreduce", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op")
+        validate.check_rows("allreduce", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op")
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     buf = contiguous_flat(out)
     size = g.size
@@ -113,7 +113,7 @@ def ibroadcast(
     root = g.check_rank("broadcast", "root", root)
     if checking(ctx, g) and g.size > 1:
         sig = validate.signature("broadcast", t.dtype, t.shape, root, (), g.size)
-        validate.agree("broadcast", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="root")
+        validate.check_rows("broadcast", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="root")
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     buf = contiguous_flat(out)
 
@@ -179,7 +179,7 @@ def iallgather(
     if g.size > 1 and (sizes is None or checking(ctx, g)):
         sig = validate.signature("allgather", t.dtype, src.shape, int(t.dim() == 0), (), g.size)
         table = validate.exchange(g, sig, ctx.config.timeout)
-        validate.agree("allgather", g, table, vary_dim0=True, arg_name="0-d-ness")
+        validate.check_rows("allgather", g, table, vary_dim0=True, arg_name="0-d-ness")
         gathered = [int(x) for x in table[:, validate.F_DIM0].tolist()]
         if sizes is not None and gathered != sizes:
             raise InvalidArgumentError(
@@ -290,7 +290,7 @@ def ialltoall(
     if p > 1 and (rsplits is None or checking(ctx, g)):
         sig = validate.signature("alltoall", t.dtype, t.shape, 0, send_splits, p)
         table = validate.exchange(g, sig, ctx.config.timeout)
-        validate.agree("alltoall", g, table, vary_dim0=True)
+        validate.check_rows("alltoall", g, table, vary_dim0=True)
         got = [int(x) for x in table[:, validate.HEADER + g.rank].tolist()]
         if rsplits is not None and got != rsplits:
             raise InvalidArgumentError(
@@ -351,7 +351,7 @@ def ireduce_scatter(
         )
     if checking(ctx, g) and p > 1:
         sig = validate.signature("reduce_scatter", t.dtype, t.shape, _OP_ARG[rop], (), p)
-        validate.agree("reduce_scatter", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op")
+        validate.check_rows("reduce_scatter", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op")
     out = torch.empty((t.shape[0] // p, *t.shape[1:]), dtype=t.dtype, device=t.device)
     src = contiguous_flat(t)
     dst = contiguous_flat(out)

@@ -73,7 +73,9 @@ def igrouped_allreduce(
         # One signature for the whole list: count, and a hash of every dtype and shape.
         desc = [d for t in ts for d in (validate.DTYPE_CODES[t.dtype], t.dim(), *t.shape)]
         sig = validate.signature("grouped_allreduce", torch.int64, [len(ts), *desc], _OP_ARG[op], (), p)
-        validate.agree("grouped_allreduce", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op")
+        validate.check_rows(
+            "grouped_allreduce", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op"
+        )
     outs = ts if inplace else [t.clone(memory_format=torch.contiguous_format) for t in ts]
     buckets = plan_buckets(outs, threshold)
     buffers: list[torch.Tensor] = []

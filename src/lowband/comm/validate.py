@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lowband.comm import agree as _agree
 from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.group import Group
 
@@ -23,7 +24,7 @@ OP_CODES: dict[str, int] = {
     "allreduce": 1, "broadcast": 2, "allgather": 3, "alltoall": 4, "reduce_scatter": 5,
     "grouped_allreduce": 6, "send": 7, "barrier": 8,
     "neighbor_allreduce": 101, "grouped_neighbor_allreduce": 102, "neighbor_allgather": 103,
-    "hierarchical_neighbor_allreduce": 104,
+    "hierarchical_neighbor_allreduce": 104, "agree": _agree.AGREE_OP,
 }  # fmt: skip
 
 DTYPES: tuple[torch.dtype, ...] = (
@@ -35,9 +36,9 @@ CODE_DTYPES = {i: dt for dt, i in DTYPE_CODES.items()}
 
 REDUCE_OPS = ("sum", "average", "min", "max", "product")
 
-_MAGIC = 0x10BA
+_MAGIC = _agree.MAGIC
 _MAX_DIMS = 6
-HEADER = 12  # magic, op, dtype, ndim, 6 dims, hash of the rest of the shape, argument
+HEADER = _agree.HEADER  # magic, op, dtype, ndim, 6 dims, hash of the rest of the shape, argument
 F_OP, F_DTYPE, F_NDIM, F_DIM0, F_HASH, F_ARG = 1, 2, 3, 4, 10, 11
 
 
@@ -95,34 +96,40 @@ def signature(
     return sig
 
 
-def describe(row: list[int]) -> str:
+def _arg_text(op: str, arg: int) -> str:
+    if op in ("allreduce", "reduce_scatter", "grouped_allreduce"):
+        return f" with op={REDUCE_OPS[arg]!r}" if 0 <= arg < len(REDUCE_OPS) else f" with op #{arg}"
+    if op == "broadcast":
+        return f" from root {arg}"
+    return ""
+
+
+def describe(row: list[int], args: bool = False) -> str:
+    """What a signature row says its rank called, e.g. ``allreduce of a float32 tensor of shape
+    (3, 4)``; with ``args``, also the op's argument (`` with op='sum'``, `` from root 1``)."""
     inv = {v: k for k, v in OP_CODES.items()}
+    op = inv.get(row[F_OP], f"op #{row[F_OP]}")
+    if op == "agree":
+        return "lowband.agree (a cross-rank agreement)"
+    if op == "grouped_allreduce":
+        text = f"{op} of {row[F_DIM0]} tensors (layout hash {row[F_HASH]})"
+        return text + (_arg_text(op, row[F_ARG]) if args else "")
     nd = row[F_NDIM]
-    dims = [row[F_DIM0 + i] for i in range(min(nd, _MAX_DIMS))]
-    shape = (
-        "(" + ", ".join(map(str, dims)) + (", ..." if nd > _MAX_DIMS else "") + ("," if nd == 1 else "") + ")"
-    )
+    dims = [row[F_DIM0 + i] for i in range(min(max(nd, 0), _MAX_DIMS))]
+    more = f", ... ({nd} dims, hash {row[F_HASH]})" if nd > _MAX_DIMS else ""
+    shape = "(" + ", ".join(map(str, dims)) + more + ("," if nd == 1 else "") + ")"
     dt = str(CODE_DTYPES.get(row[F_DTYPE], "?")).replace("torch.", "")
-    return f"{inv.get(row[F_OP], '?')} of a {dt} tensor of shape {shape}"
+    return f"{op} of a {dt} tensor of shape {shape}" + (_arg_text(op, row[F_ARG]) if args else "")
 
 
 def exchange(group: Group, sig: torch.Tensor, timeout: float) -> torch.Tensor:
     """Allgather every rank's signature: a ``[group.size, len(sig)]`` int64 table."""
-    import datetime
-
-    from lowband.comm.handle import comm_error
-
-    out = torch.empty(group.size * sig.numel(), dtype=torch.int64)
-    try:
-        work = group.control_pg._allgather_base(out, sig)
-        work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        op = {v: k for k, v in OP_CODES.items()}.get(int(sig[F_OP]), "op")
-        raise comm_error(f"lowband.{op} on rank {group.world_rank} (argument check)", exc, timeout) from exc
-    return out.view(group.size, sig.numel())
+    op = {v: k for k, v in OP_CODES.items()}.get(int(sig[F_OP]), "op")
+    rows = _agree.exchange(group, sig, f"lowband.{op} on rank {group.world_rank} (argument check)", timeout)
+    return torch.tensor(rows, dtype=torch.int64)
 
 
-def agree(
+def check_rows(
     op: str,
     group: Group,
     table: torch.Tensor,
@@ -158,8 +165,9 @@ def agree(
         if extras_must_match and row[HEADER:] != ref[HEADER:]:
             diff.append("sizes")
         if diff:
+            a = "op" in diff or (arg_name is not None and arg_name in diff)
             raise CollectiveMismatchError(
                 f"lowband.{op} on rank {group.world_rank} (group {group.name!r}): {'/'.join(diff)} differ "
-                f"across ranks: rank {group.ranks[0]} called {describe(ref)}, rank {group.ranks[r]} called "
-                f"{describe(row)}" + (f" (this rank: {describe(rows[me])})" if me not in (0, r) else "")
+                f"across ranks: rank {group.ranks[0]} called {describe(ref, a)}, rank {group.ranks[r]} called "
+                f"{describe(row, a)}" + (f" (this rank: {describe(rows[me], a)})" if me not in (0, r) else "")
             )

@@ -16,14 +16,13 @@ between).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from lowband.comm.collectives import allgather
+from lowband.comm.agree import agree, crc
 from lowband.decentral.combine import CommunicationType, Pending, Plan, launch
 from lowband.decentral.knobs import (
     Knob,
@@ -36,7 +35,7 @@ from lowband.decentral.knobs import (
     check_src,
     check_topology_knob,
 )
-from lowband.errors import CollectiveMismatchError, InvalidArgumentError
+from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim import parameter_layers
 from lowband.runtime import Context, world_group
@@ -56,10 +55,9 @@ __all__ = [
 ]
 
 
-def _layout_signature(layers: Layers) -> Tensor:
-    desc = repr([[(tuple(p.shape), str(p.dtype)) for p in ps] for _, ps in layers])
-    numel = sum(p.numel() for _, ps in layers for p in ps)
-    return torch.tensor([[len(layers), numel, zlib.crc32(desc.encode())]], dtype=torch.int64)
+def _layout_signature(layers: Layers) -> list[int]:
+    desc = [[(tuple(p.shape), str(p.dtype)) for p in ps] for _, ps in layers]
+    return [len(layers), sum(p.numel() for _, ps in layers for p in ps), crc(desc)]
 
 
 def module_layers(model: nn.Module, layers: Layers) -> list[tuple[nn.Module, list[int]]]:
@@ -129,18 +127,14 @@ class WrapperBase(torch.optim.Optimizer):
         return opt
 
     def _check_layout(self) -> None:
-        """Every rank of the group must wrap the same layers (count, shapes, dtypes): one small allgather."""
-        g = self.group
-        if g.size == 1:
-            return
-        table = allgather(_layout_signature(self.layers), name="optimizer-layout", group=g)
-        differ = [r for r in range(g.size) if not torch.equal(table[r], table[0])]
-        if differ:
-            raise CollectiveMismatchError(
-                f"{self.where}: ranks {differ} of group {g.name!r} wrap a model with a different layer "
-                f"layout than rank 0 (layers, elements, shape hash: {table[0].tolist()} on rank 0, "
-                f"{table[differ[0]].tolist()} on rank {differ[0]})"
-            )
+        """Every rank of the group must wrap the same layers (count, elements, shapes and dtypes)."""
+        agree(
+            self.group,
+            "the wrapped model's layer layout",
+            _layout_signature(self.layers),
+            fields=("the number of layers", "the number of elements", "the hash of shapes and dtypes"),
+            where=self.where,
+        )
 
     def machine_layout(self) -> tuple[int, int]:
         """``(machine_size, machine_rank)`` of this rank."""

@@ -46,8 +46,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.collectives import allgather, allreduce
-from lowband.errors import CollectiveMismatchError, InvalidArgumentError
+from lowband.comm.agree import agree
+from lowband.comm.collectives import allreduce
+from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.divergence import model_divergence
@@ -183,6 +184,13 @@ class PartialSyncStrategy(Strategy):
             self._agree(
                 "the model's layers, the period, the variant and the schedule",
                 [len(layers), _crc(layout), period, _crc(self.method), self._schedule_crc()],
+                (
+                    "the number of layers",
+                    "the layout hash",
+                    "the period",
+                    "the variant hash",
+                    "the schedule hash",
+                ),
             )
         except BaseException:
             self.close()  # leave the model without our hooks
@@ -211,16 +219,9 @@ class PartialSyncStrategy(Strategy):
         s = self.schedule
         return 0 if s is None else _crc((s.period, s.sets, [u.name for u in self.averager.specs]))
 
-    def _agree(self, what: str, values: list[int]) -> None:
+    def _agree(self, what: str, values: list[int], fields: tuple[str, ...] | None = None) -> None:
         """Raise :class:`CollectiveMismatchError` on every rank unless all ranks passed equal ``values``."""
-        g = self.group
-        mine = torch.tensor(values, dtype=torch.int64)
-        table = allgather(mine, group=g).view(g.size, len(values)).tolist()
-        bad = [g.ranks[r] for r, row in enumerate(table) if row != table[0]]
-        if bad:
-            raise CollectiveMismatchError(
-                f"{self._where}: ranks {bad} differ from rank {g.ranks[0]} in {what}"
-            )
+        agree(self.group, what, values, fields=fields, where=self._where)
 
     def _reschedule(self, profile: CostProfile, *, agree: bool = True) -> None:
         """Units and schedule from ``profile`` (:func:`~lowband.localsgd.units.choose_split`)."""
