@@ -226,6 +226,19 @@ class Handle(Generic[T]):
             threading.Thread(target=watch, name=f"lowband-then-{self.op}", daemon=True).start()
         return child
 
+    def map(self, fn: Callable[[T], U]) -> Handle[U]:
+        """A handle over the same communication whose result is ``fn(result)``, computed by the thread
+        that waits (unlike :meth:`then`, nothing runs on torch's callback thread: for ``fn`` that must
+        run where autograd records, or only when someone waits)."""
+        return Handle(
+            self._w,
+            lambda: fn(self._complete(None)),
+            op=self.op,
+            name=self.name,
+            rank=self.rank,
+            timeout=self._timeout,
+        )
+
     def __repr__(self) -> str:
         return f"<Handle {self._where()} done={self.done()}>"
 

@@ -9,9 +9,21 @@ loop is the same for every strategy::
         loss = s.train_step(lambda m: workload.loss(m, batch))
     s.synchronize()                     # finish in-flight communication (before eval / checkpoint)
     torch.save(s.state_dict(), path)    # everything needed to resume
+    dense = s.average_model(make_model())  # collective: the consensus model, for evaluation or export
 
 Strategies integrate through PyTorch's own extension points (DDP and its comm hooks, torch's model
 averagers, optimizer step hooks, post-accumulate-grad hooks); none re-implements an optimizer.
+
+Sharded state: a model may hold parameters that live on one rank only (modules implementing
+:class:`lowband.nn.sharding.Sharded`, found at construction in :attr:`Strategy.shards`) next to
+replicated ones. :meth:`Strategy.in_sync` and :meth:`Strategy.replica_spread` are about the replicated
+part; :meth:`Strategy.state_dict` saves this rank's shards with their layout; a checkpoint loads at
+another world size once whole (:meth:`Strategy.full_state_dict`, or
+:func:`lowband.strategies.sharded_state.assemble_state_dicts` of every rank's checkpoint; see there).
+
+Consensus: :meth:`Strategy.average_state_dict` / :meth:`Strategy.average_model` give the one model
+to evaluate or export, for every strategy: replicated floating-point state averaged over the ranks
+(skipped when :meth:`in_sync` says the replicas are identical), sharded parameters assembled whole.
 """
 
 from __future__ import annotations
@@ -22,8 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.comm import collectives as comm
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.nn.sharding import ShardSpec, gather_full, shard_specs
+from lowband.strategies import sharded_state
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module], torch.Tensor]
@@ -44,6 +59,7 @@ class Strategy:
         self.optimizer = optimizer
         self.group = group
         self.steps = 0
+        self.shards: dict[str, ShardSpec] = shard_specs(model)
 
     # -- what the training loop calls -------------------------------------------------------------
     @property
@@ -73,9 +89,48 @@ class Strategy:
         """Finish all in-flight communication (nothing is in flight between steps by default)."""
 
     def in_sync(self) -> bool:
-        """True when, by construction, every rank holds the same parameters after the last step
-        (always for synchronous SGD; after an averaging step for periodic averaging)."""
+        """True when, by construction, every rank holds the same replicated parameters after the last
+        step (always for synchronous SGD; after an averaging step for periodic averaging). Sharded
+        parameters differ across ranks by design and are not part of it."""
         return True
+
+    def replicated_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters every rank holds a copy of (all but :attr:`shards`)."""
+        return [(n, p) for n, p in self.local_module.named_parameters() if n not in self.shards]
+
+    def replica_spread(self) -> float:
+        """Collective: max over replicated parameter entries of (max over ranks - min over ranks);
+        0.0 when every rank's replicated parameters are identical."""
+        params = [p.detach().reshape(-1).double() for _, p in self.replicated_parameters()]
+        flat = torch.cat(params) if params else torch.zeros(1, dtype=torch.float64)
+        hi = comm.allreduce(flat, op="max", group=self.group)
+        lo = comm.allreduce(flat, op="min", group=self.group)
+        return float((hi - lo).abs().max()) if flat.numel() else 0.0
+
+    # -- consensus for evaluation and export ------------------------------------------------------
+    def average_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective (every rank of the strategy's group calls it): the model's state dict as one
+        model, the same on every rank, without touching training. Floating-point replicated entries
+        are averaged over the ranks (unless :meth:`in_sync`), other entries are this rank's, sharded
+        parameters are assembled whole (so it loads into the dense model)."""
+        self.synchronize()
+        sd = {k: v.detach().clone() for k, v in self.local_module.state_dict().items()}
+        for name, spec in self.shards.items():
+            sd[name] = gather_full(sd[name], spec, group=self.group)
+        if self.group.size > 1 and not self.in_sync():
+            keys = [k for k, v in sd.items() if k not in self.shards and v.is_floating_point()]
+            for dtype in sorted({sd[k].dtype for k in keys}, key=str):
+                ks = [k for k in keys if sd[k].dtype == dtype]
+                flat = comm.allreduce(torch.cat([sd[k].reshape(-1) for k in ks]), group=self.group)
+                for k, part in zip(ks, flat.split([sd[k].numel() for k in ks]), strict=True):
+                    sd[k] = part.view_as(sd[k])
+        return sd
+
+    def average_model(self, into: nn.Module) -> nn.Module:
+        """Collective: :meth:`average_state_dict` loaded into ``into`` (a fresh instance of the dense
+        model), which is returned."""
+        into.load_state_dict(self.average_state_dict())
+        return into
 
     # -- reports and checkpoints ------------------------------------------------------------------
     def hparams(self) -> dict[str, Any]:
@@ -92,13 +147,76 @@ class Strategy:
         return f"{self.name}({hp})" if hp else self.name
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """Everything needed to resume on this rank (its own shards, with their layout)."""
+        state = {
             "strategy": self.name,
             "steps": self.steps,
             "model": self.local_module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "extra": self.extra_state(),
         }
+        if self.shards:
+            state["sharding"] = self._layout(self.shards, full=False)
+        return state
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: :meth:`state_dict` with every sharded tensor (parameters and their optimizer
+        state) assembled whole; loads at any world size. Replicated state is this rank's."""
+        state = self.state_dict()
+        if not self.shards:
+            return state
+        g = self.group
+        out = sharded_state.map_sharded(
+            state,
+            self.shards,
+            self._optimizer_names(),
+            lambda _n, spec, t: gather_full(t, spec, group=g),
+            shard_shape=lambda s: s.local_shape,
+        )
+        out["sharding"] = self._layout({n: sharded_state.full_spec(s) for n, s in self.shards.items()}, full=True)
+        return out
+
+    def _optimizer_names(self) -> list[str]:
+        return sharded_state.optimizer_param_names(self.optimizer, self.local_module)
+
+    def _layout(self, specs: dict[str, ShardSpec], *, full: bool) -> dict[str, Any]:
+        return sharded_state.layout(
+            specs, self.group.rank, self.group.size, full=full, optimizer_names=self._optimizer_names()
+        )
+
+    def _localize(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` with this rank's slices of every sharded tensor (re-sharding a full checkpoint)."""
+        lay = state.get("sharding")
+        if not self.shards and lay is None:
+            return state
+        where = f"{type(self).__name__}.load_state_dict on rank {self.group.rank}"
+        saved_names = sorted(lay["params"]) if lay is not None else []
+        if lay is None or saved_names != sorted(self.shards):
+            raise InvalidArgumentError(
+                f"{where}: the checkpoint's sharded parameters {saved_names} are not this model's {sorted(self.shards)}"
+            )
+        saved = {n: ShardSpec.from_dict(d) for n, d in lay["params"].items()}
+        for n, spec in self.shards.items():
+            if (saved[n].dim, saved[n].global_shape) != (spec.dim, spec.global_shape):
+                raise InvalidArgumentError(
+                    f"{where}: {n!r} was saved cut along dim {saved[n].dim} of {saved[n].global_shape}, "
+                    f"this model cuts dim {spec.dim} of {spec.global_shape}"
+                )
+        if lay["full"]:
+            return sharded_state.map_sharded(
+                state,
+                saved,
+                lay["optimizer_names"],
+                lambda n, _s, t: self.shards[n].slice(t),
+                shard_shape=lambda s: s.global_shape,
+            )
+        if any(saved[n] != self.shards[n] for n in self.shards):
+            raise InvalidArgumentError(
+                f"{where}: the checkpoint holds the shards of rank {lay['rank']} of a world of "
+                f"{lay['world_size']}, this rank (of {self.group.size}) holds other slices; load a full "
+                f"checkpoint (Strategy.full_state_dict(), or assemble_state_dicts of every rank's checkpoint)"
+            )
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("strategy") != self.name:
@@ -106,6 +224,7 @@ class Strategy:
                 f"{type(self).__name__}.load_state_dict: checkpoint is for strategy {state.get('strategy')!r}, "
                 f"not {self.name!r}"
             )
+        state = self._localize(state)
         self.steps = int(state["steps"])
         self.local_module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
