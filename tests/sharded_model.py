@@ -41,7 +41,9 @@ class ColumnShardedEmbedding(nn.Module):
         mine = F.embedding(every_id, self.weight)  # [all ids, my columns], rows grouped by asking rank
         widths = [shard_range(dim, q, g.size)[1] for q in range(g.size)]
         back = [counts[g.rank] * w for w in widths]
-        got = nnf.alltoall(mine.reshape(-1), [c * self.spec.length for c in counts], recv_splits=back, group=g)
+        got = nnf.alltoall(
+            mine.reshape(-1), [c * self.spec.length for c in counts], recv_splits=back, group=g
+        )
         cols = [b.view(counts[g.rank], w) for b, w in zip(got.split(back), widths, strict=True)]
         return torch.cat(cols, dim=1).view(*ids.shape, dim)
 
@@ -105,3 +107,12 @@ def dense_steps(model: nn.Module, opt: torch.optim.Optimizer, n: int, steps: ran
         opt.zero_grad()
         (sum(loss(model, batch(r, k)) for r in range(n)) / n).backward()  # type: ignore[union-attr]
         opt.step()
+
+
+def bench_worker(cfg: object) -> object:
+    """One bench rank (a process: the workloads seed torch's global RNG to build their models)."""
+    from lowband.bench.config import BenchConfig
+    from lowband.bench.worker import run_worker
+
+    assert isinstance(cfg, BenchConfig)
+    return run_worker(cfg)

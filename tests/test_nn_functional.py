@@ -136,9 +136,7 @@ def test_alltoall_gradcheck(n: int) -> None:
 
 @pytest.mark.parametrize("n", WORLD_SIZES)
 def test_reduce_scatter_gradcheck(n: int) -> None:
-    run_threads(
-        lambda: [_reduce_scatter_case("sum", False), _reduce_scatter_case("average", True)], n
-    )
+    run_threads(lambda: [_reduce_scatter_case("sum", False), _reduce_scatter_case("average", True)], n)
 
 
 def _issue_counts(n: int) -> dict[str, int]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from sharded_model import Net, batch, dense_steps, loss, sgd
+from sharded_model import Net, batch, bench_worker, dense_steps, loss, sgd
 
 import lowband
 from lowband.errors import InvalidArgumentError
@@ -17,7 +17,7 @@ from lowband.nn import ShardSpec, shard_range, shard_specs
 from lowband.nn.sharding import assemble
 from lowband.strategies import Strategy, make_strategy
 from lowband.strategies.sharded_state import assemble_state_dicts
-from lowband.testing import run_threads
+from lowband.testing import run_processes, run_threads
 
 STEPS = 4
 
@@ -153,3 +153,32 @@ def test_undeclared_or_mismatched_layouts_are_refused() -> None:
         assert shard_specs(Net()) == {}
 
     run_threads(body, 2, timeout=30)
+
+
+def test_bench_worker_evaluates_the_assembled_model() -> None:
+    """The bench trains a sharded strategy next to the compute-only copy and evaluates the assembled
+    model: its held-out loss equals the dense oracle's (the dense model on every rank's batches)."""
+    from lowband.bench.config import BenchConfig
+    from lowband.bench.worker import COMPUTE
+    from lowband.bench.workloads import get_workload
+
+    n, bs = 2, 8
+    cfg = BenchConfig(
+        workload="wordlm", strategies=["sharded-test"], world_size=n, rounds=1, steps_per_round=2,
+        warmup_rounds=0, eval_items=64, batch_size=bs,
+    )  # fmt: skip
+    raw = run_processes(bench_worker, n, cfg, timeout=120)[0]
+    wl = get_workload("wordlm")
+    dense = wl.build_model(cfg.seed)
+    opt = wl.make_optimizer(dense.parameters())
+    streams = [wl.batches(r, n, bs, cfg.seed) for r in range(n)]
+    for _ in range(cfg.steps_per_round):
+        opt.zero_grad()
+        (sum(wl.loss(dense, next(it)) for it in streams) / n).backward()  # type: ignore[union-attr]
+        opt.step()
+    want = wl.evaluate(dense, max_items=cfg.eval_items)
+    run = raw["runs"]["sharded-test"]
+    assert run["in_sync"] and run["replica_spread"] == 0.0
+    assert run["evals"][0]["loss"] == pytest.approx(want.loss, rel=1e-4)
+    assert run["evals"][0]["accuracy"] == pytest.approx(want.accuracy, abs=1e-9)
+    assert COMPUTE in raw["runs"] and len(raw["runs"][COMPUTE]["segments"]) == 1

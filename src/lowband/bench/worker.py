@@ -6,6 +6,12 @@ stream, and they take turns in rounds of ``steps_per_round`` steps (strategy A, 
 B, C, ...), so slow drifts of the machine hit every strategy alike. Per step it records the step time
 of every rank and the loss; per round the bytes that crossed this rank's link (kernel interface
 counters) and a held-out evaluation (time excluded). Rank 0 writes everything to ``raw.json``.
+
+Sharded strategies (parameters living on one rank only, :attr:`Strategy.shards`) shard the workload's
+dense model themselves, so the compute-only copy is that dense model trained on the rank's own batches
+with no communication; their evaluation is of the assembled model
+(:meth:`Strategy.average_model`, collective, outside the timed steps), and the replica spread covers
+the replicated parameters only.
 """
 
 from __future__ import annotations
@@ -111,7 +117,9 @@ def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) 
 
 
 def _evaluate(run: Run, wl: Workload, cfg: BenchConfig, rnd: int) -> None:
-    res = wl.evaluate(run.strategy.local_module, max_items=cfg.eval_items)
+    s = run.strategy
+    model = s.average_model(wl.build_model(cfg.seed)) if s.shards else s.local_module
+    res = wl.evaluate(model, max_items=cfg.eval_items)
     acc = -1.0 if res.accuracy is None else res.accuracy
     vals = lowband.allreduce(torch.tensor([res.loss, acc], dtype=torch.float64)).tolist()
     run.evals.append(
@@ -123,14 +131,6 @@ def _evaluate(run: Run, wl: Workload, cfg: BenchConfig, rnd: int) -> None:
             "accuracy": None if res.accuracy is None else vals[1],
         }
     )
-
-
-def _replica_spread(s: Strategy) -> float:
-    """max over parameters of (max over ranks - min over ranks): 0 when every replica is identical."""
-    flat = torch.cat([p.detach().reshape(-1).double() for p in s.local_module.parameters()])
-    hi = lowband.allreduce(flat, op="max")
-    lo = lowband.allreduce(flat, op="min")
-    return float((hi - lo).abs().max())
 
 
 def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
@@ -186,7 +186,7 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
             "segments": run.segments,
             "evals": run.evals,
             "in_sync": in_sync,
-            "replica_spread": _replica_spread(run.strategy),
+            "replica_spread": run.strategy.replica_spread(),
             "params": sum(p.numel() for p in run.strategy.local_module.parameters()),
         }
         run.strategy.close()

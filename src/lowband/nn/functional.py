@@ -42,7 +42,9 @@ _SUM_OPS = ("sum", "average")
 class _Pending:
     """What links the two graph nodes of one op: the communication in flight and its transpose."""
 
-    def __init__(self, handle: Handle[torch.Tensor], transpose: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, handle: Handle[torch.Tensor], transpose: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
         self.handle = handle
         self.transpose = transpose
 
@@ -81,8 +83,13 @@ def _graph_handle(
     transpose: Callable[[torch.Tensor], torch.Tensor],
 ) -> Handle[torch.Tensor]:
     pending = _Pending(handle, transpose)
-    placeholder = _Start.apply(x, pending, shape)
-    return handle.map(lambda _r: _Wait.apply(placeholder, pending))
+    placeholder: torch.Tensor = _Start.apply(x, pending, shape)  # type: ignore[no-untyped-call]
+
+    def wait(_result: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Wait.apply(placeholder, pending)  # type: ignore[no-untyped-call]
+        return out
+
+    return handle.map(wait)
 
 
 def _ints(op: str, rank: int, what: str, values: Sequence[int], p: int, total: int | None) -> list[int]:
@@ -95,9 +102,7 @@ def _ints(op: str, rank: int, what: str, values: Sequence[int], p: int, total: i
         out.append(v)
     if len(out) != p or (total is not None and sum(out) != total):
         need = f" summing to {total}" if total is not None else ""
-        raise InvalidArgumentError(
-            f"lowband.nn.{op} on rank {rank}: {what}={out} must hold {p} ints{need}"
-        )
+        raise InvalidArgumentError(f"lowband.nn.{op} on rank {rank}: {what}={out} must hold {p} ints{need}")
     return out
 
 
@@ -133,7 +138,9 @@ def _issue_reduce_scatter(
     return comm.ireduce_scatter(padded, op, name=name, group=group).map(lambda t: t[:mine])
 
 
-def _issue_allgather(x: torch.Tensor, sizes: list[int], name: str | None, group: Group) -> Handle[torch.Tensor]:
+def _issue_allgather(
+    x: torch.Tensor, sizes: list[int], name: str | None, group: Group
+) -> Handle[torch.Tensor]:
     return comm.iallgather(x, sizes=sizes, name=name, group=group)
 
 

@@ -75,7 +75,12 @@ class ShardSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain ints and lists (checkpoints load with ``torch.load(weights_only=True)``)."""
-        return {"dim": self.dim, "global_shape": list(self.global_shape), "start": self.start, "length": self.length}
+        return {
+            "dim": self.dim,
+            "global_shape": list(self.global_shape),
+            "start": self.start,
+            "length": self.length,
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ShardSpec:
@@ -95,9 +100,10 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
     """Every sharded parameter of ``model``, by its name in ``model.state_dict()``."""
     out: dict[str, ShardSpec] = {}
     for prefix, m in model.named_modules():
-        if isinstance(m, Sharded):
+        declared = m.shard_specs() if isinstance(m, Sharded) else None
+        if declared:
             own = dict(m.named_parameters(recurse=False))
-            for k, spec in m.shard_specs().items():
+            for k, spec in declared.items():
                 if k not in own or tuple(own[k].shape) != spec.local_shape:
                     raise InvalidArgumentError(
                         f"shard_specs: {type(m).__name__} declares {k!r} with local shape {spec.local_shape}, "
@@ -138,5 +144,7 @@ def assemble(parts: Sequence[tuple[torch.Tensor, ShardSpec]]) -> torch.Tensor:
             raise InvalidArgumentError(f"assemble: shard of shape {tuple(t.shape)} for {spec}")
         pos += spec.length
     if pos != spec0.global_shape[spec0.dim]:
-        raise InvalidArgumentError(f"assemble: shards cover {pos} of {spec0.global_shape[spec0.dim]} along dim {spec0.dim}")
+        raise InvalidArgumentError(
+            f"assemble: shards cover {pos} of {spec0.global_shape[spec0.dim]} along dim {spec0.dim}"
+        )
     return torch.cat([t for t, _ in ordered], dim=spec0.dim)

@@ -122,8 +122,10 @@ class Strategy:
             for dtype in sorted({sd[k].dtype for k in keys}, key=str):
                 ks = [k for k in keys if sd[k].dtype == dtype]
                 flat = comm.allreduce(torch.cat([sd[k].reshape(-1) for k in ks]), group=self.group)
-                for k, part in zip(ks, flat.split([sd[k].numel() for k in ks]), strict=True):
-                    sd[k] = part.view_as(sd[k])
+                pos = 0
+                for k in ks:
+                    sd[k] = flat[pos : pos + sd[k].numel()].view_as(sd[k])
+                    pos += sd[k].numel()
         return sd
 
     def average_model(self, into: nn.Module) -> nn.Module:
@@ -173,7 +175,9 @@ class Strategy:
             lambda _n, spec, t: gather_full(t, spec, group=g),
             shard_shape=lambda s: s.local_shape,
         )
-        out["sharding"] = self._layout({n: sharded_state.full_spec(s) for n, s in self.shards.items()}, full=True)
+        out["sharding"] = self._layout(
+            {n: sharded_state.full_spec(s) for n, s in self.shards.items()}, full=True
+        )
         return out
 
     def _optimizer_names(self) -> list[str]:

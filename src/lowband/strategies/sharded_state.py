@@ -53,13 +53,13 @@ def map_sharded(
         for idx in sorted(opt["state"], key=lambda k: (str(type(k)), k)):
             entry = opt["state"][idx]
             name = index_names[idx] if isinstance(idx, int) and 0 <= idx < len(index_names) else ""
-            spec = specs.get(name)
-            if spec is None or not isinstance(entry, Mapping):
+            found = specs.get(name)
+            if found is None or not isinstance(entry, Mapping):
                 per_param[idx] = entry
                 continue
             per_param[idx] = {
-                k: fn(name, spec, v)
-                if isinstance(v, torch.Tensor) and tuple(v.shape) == shard_shape(spec)
+                k: fn(name, found, v)
+                if isinstance(v, torch.Tensor) and tuple(v.shape) == shard_shape(found)
                 else v
                 for k, v in sorted(entry.items())
             }
@@ -92,7 +92,9 @@ def assemble_state_dicts(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         raise InvalidArgumentError("assemble_state_dicts: no checkpoints")
     lays = [s.get("sharding") for s in states]
     if any(lay is None or lay["full"] for lay in lays):
-        raise InvalidArgumentError("assemble_state_dicts: every checkpoint must be one rank's sharded checkpoint")
+        raise InvalidArgumentError(
+            "assemble_state_dicts: every checkpoint must be one rank's sharded checkpoint"
+        )
     world = int(lays[0]["world_size"])  # type: ignore[index]
     ranks = sorted(int(lay["rank"]) for lay in lays)  # type: ignore[index]
     if ranks != list(range(world)):
@@ -101,7 +103,8 @@ def assemble_state_dicts(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         )
     by_rank = {int(lay["rank"]): st for lay, st in zip(lays, states, strict=True)}  # type: ignore[index]
     specs_of = {
-        r: {n: ShardSpec.from_dict(d) for n, d in st["sharding"]["params"].items()} for r, st in by_rank.items()
+        r: {n: ShardSpec.from_dict(d) for n, d in st["sharding"]["params"].items()}
+        for r, st in by_rank.items()
     }
     base = by_rank[0]
     specs0 = specs_of[0]
