@@ -15,8 +15,7 @@ import lowband
 from lowband.errors import InvalidArgumentError
 from lowband.nn import ShardSpec, shard_range, shard_specs
 from lowband.nn.sharding import assemble
-from lowband.strategies import Strategy, make_strategy
-from lowband.strategies.sharded_state import assemble_state_dicts
+from lowband.strategies import Strategy, assemble_state_dicts, make_strategy
 from lowband.testing import run_processes, run_threads
 
 STEPS = 4

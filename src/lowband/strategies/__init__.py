@@ -19,8 +19,10 @@ from lowband.strategies.registry import (
     register_strategy,
     strategy_names,
 )
+from lowband.strategies.sharded_state import assemble_state_dicts
 
 __all__ = [
     "DDPStrategy", "LocalSGDStrategy", "LossFn", "OptimizerFactory", "PowerSGDStrategy", "Strategy",
-    "describe_strategies", "make_strategy", "parse_strategy_spec", "register_strategy", "strategy_names",
+    "assemble_state_dicts", "describe_strategies", "make_strategy", "parse_strategy_spec",
+    "register_strategy", "strategy_names",
 ]  # fmt: skip
