@@ -199,6 +199,27 @@ def new_group(ranks: list[int], name: str | None = None) -> Group | None:
     return _new_group(ctx, sorted(rl), name or f"group{ctx._group_counter}")
 
 
+def rendezvous_store(ctx: Context) -> Any:
+    """The key-value store the ranks met through: the test harness's store for thread ranks, else the
+    default process group's store (torch keeps it private; this is the one place lowband reads it)."""
+    if ctx.threaded:
+        return ctx.store
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def open_member_group(ctx: Context, g: Group, key: str, name: str) -> Group:
+    """A new gloo process group over ``g``'s ranks, made from the rendezvous store under ``key`` (unique
+    per group of ranks). Only ``g``'s members call it, all of them, in the same order; it is not in
+    torch's group registry (non-members take no part), and :func:`shutdown` of a thread rank closes it."""
+    store = PrefixStore(key, rendezvous_store(ctx))
+    pg = dist.ProcessGroupGloo(store, g.rank, g.size, ctx.timeout_td())
+    chan = Group(pg, g.ranks, g.rank, name)
+    ctx._groups.append(chan)
+    return chan
+
+
 def shutdown() -> None:
     """Tear down this rank's context (and torch.distributed, if lowband initialised it)."""
     global _global

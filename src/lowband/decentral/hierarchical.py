@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from lowband.comm.base import check_name, checked_tensor, checking, contiguous_flat, make_handle
+from lowband.comm.batch import ibatch_p2p
 from lowband.comm.collectives import allreduce, broadcast
 from lowband.comm.handle import Handle
 from lowband.decentral.peers import plan_weights, static_peers
@@ -93,15 +94,15 @@ def ihierarchical_neighbor_allreduce(
         return make_handle(ctx, world, op, name, lambda: [], finish_local)
     check = checking(ctx, mg) if flag is None else flag
     rt, _ = route(op, ctx, mg, peers, t.dtype, t.shape, check)
-    issue, fin, sent, received = prepare_reduction(op, ctx, mg, rt, [contiguous_flat(avg)])
+    red = prepare_reduction(ctx, mg, rt, [contiguous_flat(avg)])
 
     def finish() -> torch.Tensor:
-        res = fin()[0].to(t.dtype).view(t.shape)
+        res = red.finish()[0].to(t.dtype).view(t.shape)
         if local.size > 1:
             broadcast(res, 0, inplace=True, group=local)
         return _deliver(t, res, inplace)
 
-    return make_handle(ctx, world, op, name, issue, finish, sent, received)
+    return ibatch_p2p(op, red.ops, finish, name=name, group=mg, after_post=red.start)
 
 
 def _deliver(t: torch.Tensor, res: torch.Tensor, inplace: bool) -> torch.Tensor:

@@ -28,19 +28,17 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
+from lowband.comm.batch import P2POp
 from lowband.decentral.peers import check_rank_list
+from lowband.decentral.window_protocol import LOCK, UNLOCK, check_statuses, request_ops
 from lowband.decentral.window_service import (
-    LOCK,
-    UNLOCK,
     WindowRecord,
     WindowService,
     check_flag,
     check_neighbors,
-    check_statuses,
     lookup,
     where,
 )
@@ -301,12 +299,11 @@ def win_mutex(name: str, *, for_self: bool = False, ranks: Sequence[int] | None 
 
 def _remote(svc: WindowService, rec: WindowRecord, at: str, kind: int, ranks: list[int]) -> None:
     """Send LOCK or UNLOCK to ``ranks`` and wait (bounded) for their answers."""
-    works: list[Any] = []
+    ops: list[P2POp] = []
     statuses: list[torch.Tensor] = []
     for r in ranks:
-        ws, st = svc.request(r, kind, rec.wid)
-        works += ws
+        ms, st = request_ops(r, kind, rec.wid, svc.next_tag())
+        ops += ms
         statuses.append(st)
-    for w in works:
-        svc.wait_work(w, at)
+    svc.post("win_mutex", ops, lambda: True, rec.name).wait()
     check_statuses(at, "lock" if kind == LOCK else "unlock", ranks, statuses, svc.group)

@@ -22,21 +22,14 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from lowband.comm import validate
-from lowband.comm.base import (
-    check_name,
-    checked_tensor,
-    checking,
-    contiguous_flat,
-    make_handle,
-    nbytes,
-    resolve,
-)
+from lowband.comm.base import check_name, checked_tensor, checking, contiguous_flat, resolve
+from lowband.comm.batch import P2POp, ibatch_p2p, recv_op, send_op
 from lowband.comm.fusion import plan_buckets
 from lowband.comm.handle import Handle
 from lowband.decentral.hierarchical import hierarchical_neighbor_allreduce, ihierarchical_neighbor_allreduce
 from lowband.decentral.peers import Peers, plan_ranks, plan_weights, static_peers
 from lowband.decentral.state import check_topology_arg, load_topology, next_tag
-from lowband.decentral.transport import check_flag, check_float, guarded, prepare_reduction, route, where
+from lowband.decentral.transport import check_flag, check_float, prepare_reduction, route, where
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.runtime import Context
@@ -102,16 +95,16 @@ def ineighbor_allreduce(
     check = checking(ctx, g) if flag is None else flag
     peers = plan_allreduce(op, ctx, g, self_weight, src_weights, dst_weights, topology)
     rt, _ = route(op, ctx, g, peers, t.dtype, t.shape, check)
-    issue, fin, sent, received = prepare_reduction(op, ctx, g, rt, [contiguous_flat(t)])
+    red = prepare_reduction(ctx, g, rt, [contiguous_flat(t)])
 
     def finish() -> Tensor:
-        res = fin()[0].to(t.dtype).view(t.shape)
+        res = red.finish()[0].to(t.dtype).view(t.shape)
         if inplace:
             t.copy_(res)
             return t
         return res
 
-    return make_handle(ctx, g, op, name, issue, finish, sent, received)
+    return ibatch_p2p(op, red.ops, finish, name=name, group=g, after_post=red.start)
 
 
 def neighbor_allreduce(
@@ -188,11 +181,11 @@ def igrouped_neighbor_allreduce(
         contiguous_flat(ts[b[0]]) if len(b) == 1 else torch.cat([ts[i].reshape(-1) for i in b])
         for b in buckets
     ]
-    issue, fin, sent, received = prepare_reduction(op, ctx, g, rt, flats)
+    red = prepare_reduction(ctx, g, rt, flats)
 
     def finish() -> list[Tensor]:
         outs: list[Tensor] = list(ts)
-        for b, res in zip(buckets, fin()):
+        for b, res in zip(buckets, red.finish()):
             pos = 0
             for i in b:
                 n = ts[i].numel()
@@ -204,7 +197,7 @@ def igrouped_neighbor_allreduce(
                     outs[i] = piece
         return outs
 
-    return make_handle(ctx, g, op, name, issue, finish, sent, received)
+    return ibatch_p2p(op, red.ops, finish, name=name, group=g, after_post=red.start)
 
 
 def grouped_neighbor_allreduce(
@@ -286,17 +279,10 @@ def ineighbor_allgather(
         pos += dim0[j]
     buf = contiguous_flat(src)
     tag = next_tag(ctx, g)
-    pg = g.pg
-
-    def issue() -> list[object]:
-        works: list[object] = [pg.recv([v], j, tag) for j, v in views if v.numel()]
-        if buf.numel():
-            works += [pg.send([buf], dst, tag) for dst, _ in rt.send]
-        return works
-
-    return make_handle(
-        ctx, g, op, name, guarded(op, ctx, issue), lambda: out, nbytes(buf) * len(rt.send), nbytes(out)
-    )
+    ops: list[P2POp] = [recv_op(v, j, tag) for j, v in views if v.numel()]
+    if buf.numel():
+        ops += [send_op(buf, dst, tag) for dst, _ in rt.send]
+    return ibatch_p2p(op, ops, lambda: out, name=name, group=g)
 
 
 def neighbor_allgather(

@@ -18,7 +18,6 @@ instead of a size mismatch inside gloo.
 
 from __future__ import annotations
 
-import datetime
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from lowband.comm import validate
-from lowband.comm.handle import comm_error
 from lowband.decentral.peers import Peers
 from lowband.errors import CollectiveMismatchError
 from lowband.group import Group
@@ -67,13 +65,7 @@ def make_row(op: str, dtype: torch.dtype, shape: Sequence[int], peers: Peers, si
 
 def exchange(op: str, g: Group, row: torch.Tensor, timeout: float) -> list[list[int]]:
     """Allgather every rank's row on the control process group (bounded wait)."""
-    out = torch.empty(g.size * row.numel(), dtype=torch.int64)
-    try:
-        work = g.control_pg._allgather_base(out, row)
-        work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise comm_error(f"lowband.{op} on rank {g.world_rank} (topology check)", exc, timeout) from exc
-    rows: list[list[int]] = out.view(g.size, row.numel()).tolist()
+    rows: list[list[int]] = validate.exchange(g, row, timeout).tolist()
     return rows
 
 

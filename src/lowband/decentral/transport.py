@@ -1,12 +1,13 @@
 """The point-to-point engine of the neighbor ops: resolve a plan into a route (running the topology
 check), then post the messages and apply the weights.
 
-All ``recv``/``send`` works of one call are posted at once on the group's process group by the calling
-thread: first every receive, then every send (to destinations ordered by their distance
-``(dst - me) mod n`` from this rank, the paper's order against congestion). This cannot deadlock: posting
-a gloo receive or send never blocks (both are asynchronous works), so every rank posts all its receives
-and sends without waiting for any peer, and each send completes once its receiver has posted the
-matching receive, which that receiver does unconditionally. Every message of one call (of one fusion
+All messages of one call are one batch of :mod:`lowband.comm.batch` (traced and counted as the op,
+errors translated), posted at once on the group's process group by the calling thread: first every
+receive, then every send (to destinations ordered by their distance ``(dst - me) mod n`` from this rank,
+the paper's order against congestion). This cannot deadlock: posting a gloo receive or send never blocks
+(both are asynchronous works), so every rank posts all its receives and sends without waiting for any
+peer, and each send completes once its receiver has posted the matching receive, which that receiver
+does unconditionally. Every message of one call (of one fusion
 buffer) carries one tag, from a counter advanced identically on every rank by each neighbor op on the
 group (:func:`lowband.decentral.state.next_tag`), so calls in flight at the same time never match each
 other's messages. ``wait()`` waits every work (each bounded by the runtime's timeout) and then applies the
@@ -23,8 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowband.comm.base import nbytes
-from lowband.comm.handle import comm_error
+from lowband.comm.batch import P2POp, recv_op, send_op
 from lowband.decentral.peers import Peers
 from lowband.decentral.state import next_tag
 from lowband.decentral.topocheck import Links, exchange, make_row
@@ -67,19 +67,6 @@ def check_float(op: str, ctx: Context, t: Tensor, what: str = "tensor") -> None:
         )
 
 
-def guarded(op: str, ctx: Context, issue: Callable[[], list[object]]) -> Callable[[], list[object]]:
-    """``issue`` with torch's errors at posting time (a pair closed by an earlier timeout, a dead peer)
-    turned into lowband's :class:`CommTimeoutError` / :class:`CommFailedError`."""
-
-    def run() -> list[object]:
-        try:
-            return issue()
-        except RuntimeError as exc:
-            raise comm_error(where(op, ctx), exc, ctx.config.timeout) from exc
-
-    return run
-
-
 def _acc_dtype(dt: torch.dtype) -> torch.dtype:
     return torch.float32 if dt in (torch.float16, torch.bfloat16) else dt
 
@@ -117,35 +104,37 @@ def route(
     )
 
 
-def prepare_reduction(
-    op: str, ctx: Context, g: Group, rt: Route, flats: Sequence[Tensor]
-) -> tuple[Callable[[], list[object]], Callable[[], list[Tensor]], int, int]:
-    """Buffers and works of a weighted neighbor reduction of the 1-D ``flats`` (one message per flat and
-    peer). Returns ``(issue, finish, bytes_sent, bytes_received)``; ``finish`` returns each flat's result in
-    the accumulation dtype: ``self_weight * flat + sum(weight_j * received_j)``."""
+@dataclass(frozen=True)
+class Reduction:
+    """A weighted neighbor reduction ready to post: its messages (receives, then sends, in sending order),
+    ``start`` (the self term, computed while the messages are on the wire) and ``finish``."""
+
+    ops: list[P2POp]
+    start: Callable[[], None]
+    finish: Callable[[], list[Tensor]]
+
+
+def prepare_reduction(ctx: Context, g: Group, rt: Route, flats: Sequence[Tensor]) -> Reduction:
+    """Buffers and messages of a weighted neighbor reduction of the 1-D ``flats`` (one message per flat
+    and peer). ``finish`` returns each flat's result in the accumulation dtype:
+    ``self_weight * flat + sum(weight_j * received_j)``."""
     tags = [next_tag(ctx, g) for _ in flats]
     outs: list[Tensor] = []
-    scaled: list[dict[float, Tensor]] = []
-    for f in flats:
-        copies: dict[float, Tensor] = {}
-        for _, s in rt.send:
-            if s not in copies:
-                copies[s] = f if s == 1.0 else f.mul(s)
-        scaled.append(copies)
     bufs = [[torch.empty_like(f) for _ in rt.recv] for f in flats]
-    pg = g.pg
+    ops: list[P2POp] = []
+    for f, tag, bs in zip(flats, tags, bufs):
+        if f.numel():
+            ops += [recv_op(b, src, tag) for (src, _), b in zip(rt.recv, bs)]
+    for f, tag in zip(flats, tags):
+        if f.numel():
+            copies: dict[float, Tensor] = {}
+            for dst, s in rt.send:
+                if s not in copies:
+                    copies[s] = f if s == 1.0 else f.mul(s)
+                ops.append(send_op(copies[s], dst, tag))
 
-    def issue() -> list[object]:
-        works: list[object] = []
-        for f, tag, bs in zip(flats, tags, bufs):
-            if f.numel():
-                works += [pg.recv([b], src, tag) for (src, _), b in zip(rt.recv, bs)]
-        for f, tag, copies in zip(flats, tags, scaled):
-            if f.numel():
-                works += [pg.send([copies[s]], dst, tag) for dst, s in rt.send]
-        # the self term is computed while the messages are on the wire
+    def start() -> None:
         outs.extend(f.to(_acc_dtype(f.dtype)).mul(rt.self_weight) for f in flats)
-        return works
 
     def finish() -> list[Tensor]:
         for out, bs in zip(outs, bufs):
@@ -153,5 +142,4 @@ def prepare_reduction(
                 out.add_(b if b.dtype == out.dtype else b.to(out.dtype), alpha=w)
         return outs
 
-    size = sum(nbytes(f) for f in flats)
-    return guarded(op, ctx, issue), finish, size * len(rt.send), size * len(rt.recv)
+    return Reduction(ops, start, finish)

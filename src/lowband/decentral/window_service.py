@@ -24,14 +24,14 @@ receivers for it. In a process whose windows were never freed an ``atexit`` hook
 and waits briefly for its own receivers (a thread still blocked in gloo at interpreter exit aborts the
 process); call ``win_free`` before exiting.
 
-Wire format: a request header is ``int64[6] = [kind, window id, flags, reply tag, numel, dtype code]``;
-window ids are given in creation order (creation is collective, so they agree across ranks).
+The wire format and the checks of a request are :mod:`lowband.decentral.window_protocol`; every
+message goes through :class:`lowband.comm.batch.Channel` (bounded, traced: a rank's requests under the
+window op's name, the data its service receives or answers under ``window_service``).
 """
 
 from __future__ import annotations
 
 import atexit
-import datetime
 import itertools
 import threading
 import weakref
@@ -40,45 +40,20 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed import PrefixStore  # type: ignore[attr-defined]
-from torch.distributed.distributed_c10d import _get_default_store
 
-from lowband.comm.handle import Handle, comm_error
-from lowband.comm.validate import CODE_DTYPES, DTYPE_CODES
+from lowband.comm.batch import Channel, P2POp, recv_op, send_op
+from lowband.comm.handle import Handle
+from lowband.decentral import window_protocol as wp
+from lowband.decentral.window_protocol import ACCUMULATE, GET, LOCK, OK, PUT, Request
 from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError, LowbandError
 from lowband.group import Group
-from lowband.runtime import Context, current
+from lowband.runtime import Context, current, open_member_group
 from lowband.topology import Topology
 
 if TYPE_CHECKING:  # mutex.py imports this module
     from lowband.decentral.mutex import WindowMutex
 
 STATE_KEY = "lowband.decentral.window"
-
-PUT, ACCUMULATE, GET, LOCK, UNLOCK, STOP = 1, 2, 3, 4, 5, 6
-KIND_NAMES = {
-    PUT: "win_put",
-    ACCUMULATE: "win_accumulate",
-    GET: "win_get",
-    LOCK: "win_mutex",
-    UNLOCK: "win_mutex",
-}
-F_MUTEX = 1
-
-OK, UNKNOWN, NOT_NEIGHBOR, MISMATCH, NOT_HOLDER = 0, 1, 2, 3, 4
-STATUS_TEXT = {
-    UNKNOWN: "has no such window (freed, or never created there)",
-    NOT_NEIGHBOR: "is not a neighbor of the requesting rank in the window's static topology",
-    MISMATCH: "has a window of another dtype or size",
-    NOT_HOLDER: "is not held by the requesting rank",
-}
-
-HEADER = 6
-TAG_HEADER, TAG_PAYLOAD, _TAG_REPLY = 0, 1, 2
-_TAG_SPAN = 1 << 29
-#: receivers wait for their peer's next request without a timeout (see the module docstring)
-_IDLE = datetime.timedelta(days=3650)
 
 
 @dataclass(eq=False)
@@ -109,32 +84,28 @@ class WindowRecord:
         return tuple(sorted(set(self.in_nbrs) | set(self.out_nbrs)))
 
 
-def open_channel(ctx: Context, g: Group) -> Group:
-    """A new gloo process group over ``g``'s ranks for window traffic. Only ``g``'s members call it
-    (all of them, in the same order). It is made from the rendezvous store directly (the test harness's
-    store, else torch's default store), so it is not in torch's group registry and only members take
-    part; it is registered with the runtime so that ``lowband.shutdown`` of a thread rank closes it."""
-    ranks = list(g.ranks)
+def open_channel(ctx: Context, g: Group) -> Channel:
+    """The channel of a new gloo process group over ``g``'s ranks for window traffic
+    (:func:`lowband.runtime.open_member_group`). Only ``g``'s members call it, all of them, in the same
+    order."""
+    ranks = tuple(g.ranks)
     counts: dict[tuple[int, ...], int] = ctx.state.setdefault(STATE_KEY + ".channels", {})
-    gen = counts.get(tuple(ranks), 0)
-    counts[tuple(ranks)] = gen + 1
-    store = ctx.store if ctx.threaded else _get_default_store()
+    gen = counts.get(ranks, 0)
+    counts[ranks] = gen + 1
     key = f"lowband/window/{'.'.join(map(str, ranks))}/{gen}"
-    pg = dist.ProcessGroupGloo(PrefixStore(key, store), g.rank, g.size, ctx.timeout_td())
-    chan = Group(pg, tuple(ranks), g.rank, f"{g.name}/windows")
-    ctx._groups.append(chan)
-    return chan
+    chan = open_member_group(ctx, g, key, f"{g.name}/windows")
+    return Channel(chan, ctx.rank, ctx.config.timeout, ctx.tracer)
 
 
 class WindowService:
     """One rank's window service for one lowband group (see the module docstring)."""
 
-    def __init__(self, ctx: Context, group: Group, chan: Group | None) -> None:
+    def __init__(self, ctx: Context, group: Group, channel: Channel | None) -> None:
         # (no reference to ``ctx``: the context holds this service in ``ctx.state``)
         self.rank = ctx.rank
         self.timeout = ctx.config.timeout
         self.group = group
-        self.chan = chan
+        self.channel = channel
         self.windows: dict[int, WindowRecord] = {}
         self.next_wid = 0
         self.error: LowbandError | None = None
@@ -144,7 +115,6 @@ class WindowService:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._tags = itertools.count()
-        self._td = ctx.timeout_td()
 
     # -- errors ---------------------------------------------------------------------------------
 
@@ -170,7 +140,7 @@ class WindowService:
 
     def start_receivers(self, peers: tuple[int, ...]) -> None:
         """Start a receiver thread for each of ``peers`` that has none yet."""
-        if self.chan is None:
+        if self.channel is None:
             return
         self.stopping = False
         for p in peers:
@@ -193,10 +163,11 @@ class WindowService:
     def stop(self, where: str) -> None:
         """Send STOP to every peer and join this rank's receivers (after the collective barrier of
         ``win_free``, when no request can be in flight)."""
-        if self.chan is None or not self.receivers:
+        if self.channel is None or not self.receivers:
             return
-        for w in self._send_stops():
-            self.wait_work(w, where)
+        self.stopping = True
+        with self._send_lock:
+            self.channel.batch("win_free", self._stop_ops(sorted(self.receivers)), trace=False)
         for p, t in self.receivers.items():
             t.join(self.timeout)
             if t.is_alive():
@@ -205,86 +176,61 @@ class WindowService:
                 )
         self.receivers.clear()
 
-    def _send_stops(self) -> list[Any]:
-        assert self.chan is not None
-        self.stopping = True
-        with self._send_lock:
-            return [
-                self.chan.pg.send([torch.tensor([STOP, -1, 0, 0, 0, 0], dtype=torch.int64)], p, TAG_HEADER)
-                for p in sorted(self.receivers)
-            ]
+    @staticmethod
+    def _stop_ops(peers: list[int]) -> list[P2POp]:
+        return [send_op(wp.stop_header(), p, wp.TAG_HEADER, control=True) for p in peers]
 
     def close_at_exit(self, budget: float = 2.0) -> None:
         """Best effort at interpreter exit when windows were not freed: tell every peer to stop its
         receiver for this rank and give this rank's receivers ``budget`` seconds to be told the same
         (a thread still blocked in gloo at exit aborts the process)."""
-        if self.chan is None or not self.receivers:
+        if self.channel is None or not self.receivers:
             return
-        try:
-            works = self._send_stops()
-        except RuntimeError:
-            works = []
-        for w in works:
+        self.stopping = True
+        for p in sorted(self.receivers):
             try:
-                w.wait(datetime.timedelta(seconds=budget))
-            except RuntimeError:
+                with self._send_lock:
+                    self.channel.batch("win_free", self._stop_ops([p]), timeout=budget, trace=False)
+            except LowbandError:
                 pass  # that peer is gone already
         for t in self.receivers.values():
             t.join(budget)
 
     # -- requests (the requesting side) ---------------------------------------------------------
 
-    def request(
-        self,
-        dst: int,
-        kind: int,
-        wid: int,
-        *,
-        mutexed: bool = False,
-        payload: torch.Tensor | None = None,
-        numel: int = 0,
-        dtype: torch.dtype = torch.float32,
-        reply: torch.Tensor | None = None,
-    ) -> tuple[list[Any], torch.Tensor]:
-        """Post the reply receive(s) then send one request to ``dst``; returns the works and the status
-        tensor (valid once the works are complete). ``reply`` receives GET's data."""
-        assert self.chan is not None
-        pg = self.chan.pg
-        tag = _TAG_REPLY + 2 * (next(self._tags) % _TAG_SPAN)
-        status = torch.full((1,), -1, dtype=torch.int64)
-        works: list[Any] = [pg.recv([status], dst, tag)]
-        if reply is not None and reply.numel():
-            works.append(pg.recv([reply], dst, tag + 1))
-        flags = F_MUTEX if mutexed else 0
-        hdr = torch.tensor([kind, wid, flags, tag, numel, DTYPE_CODES[dtype]], dtype=torch.int64)
-        with self._send_lock:  # a header and its payload leave back to back
-            works.append(pg.send([hdr], dst, TAG_HEADER))
-            if payload is not None and payload.numel():
-                works.append(pg.send([payload], dst, TAG_PAYLOAD))
-        return works, status
+    def next_tag(self) -> int:
+        return wp.TAG_REPLY + 2 * (next(self._tags) % wp.TAG_SPAN)
 
-    def wait_work(self, work: Any, where: str) -> None:
-        try:
-            work.wait(self._td)
-        except RuntimeError as exc:
-            raise comm_error(where, exc, self.timeout) from exc
+    def post(
+        self, op: str, ops: list[P2POp], finish: Callable[[], bool], name: str | None = None
+    ) -> Handle[bool]:
+        """Post the messages of requests (built by :func:`window_protocol.request_ops`) as one traced
+        op; a request's header and payload leave back to back."""
+        if self.channel is None:  # a group of one: nobody to ask
+            return Handle([], finish, op=op, name=name, rank=self.rank, timeout=self.timeout)
+        with self._send_lock:
+            return self.channel.ibatch(op, ops, finish, name=name)
 
     # -- the serving side (receiver threads) ----------------------------------------------------
 
     def _loop(self, src: int) -> None:
-        assert self.chan is not None
-        pg = self.chan.pg
+        assert self.channel is not None
         where = f"lowband window service on rank {self.rank}"
         while True:
-            hdr = torch.empty(HEADER, dtype=torch.int64)
+            hdr = torch.empty(wp.HEADER, dtype=torch.int64)
             try:
-                pg.recv([hdr], src, TAG_HEADER).wait(_IDLE)
-            except RuntimeError as exc:
+                self.channel.batch(
+                    "window_service",
+                    [recv_op(hdr, src, wp.TAG_HEADER, control=True)],
+                    timeout=wp.IDLE_SECONDS,
+                    trace=False,
+                )
+            except LowbandError as exc:
                 if not self.stopping:
                     self.fail(CommFailedError(f"{where}: lost rank {src} (it may have died): {exc}"))
                 return
             vals = [int(v) for v in hdr.tolist()]
-            if vals[0] == STOP:
+            if vals[0] == wp.STOP:
                 return
             try:
                 self._serve(src, vals)
@@ -295,42 +241,62 @@ class WindowService:
                 self.fail(CommFailedError(f"{where}: serving a request from rank {src} failed: {exc!r}"))
                 return
 
-    def _recv(self, t: torch.Tensor, src: int, tag: int, where: str) -> None:
-        assert self.chan is not None
-        self.wait_work(self.chan.pg.recv([t], src, tag), where)
-
     def _serve(self, src: int, vals: list[int]) -> None:
-        kind, wid, flags, tag, numel, code = vals
-        where = f"lowband window service on rank {self.rank} ({KIND_NAMES.get(kind, '?')} from rank {src})"
-        dtype = CODE_DTYPES.get(code)
-        if kind not in KIND_NAMES or dtype is None or numel < 0:
-            raise CommFailedError(f"{where}: malformed request header {vals}")
-        payload: torch.Tensor | None = None
-        if kind in (PUT, ACCUMULATE):
-            payload = torch.empty(numel, dtype=dtype)
-            if numel:
-                self._recv(payload, src, TAG_PAYLOAD, where)
+        where = (
+            f"lowband window service on rank {self.rank} ({wp.KIND_NAMES.get(vals[0], '?')} from rank {src})"
+        )
+        req = wp.decode(where, vals)
         with self._lock:
-            rec = self.windows.get(wid)
-        status = _vet(rec, src, kind, numel, dtype)
+            rec = self.windows.get(req.wid)
+            largest = max((r.data.numel() * r.data.element_size() for r in self.windows.values()), default=0)
+        status = wp.vet(rec, src, req)
+        payload: torch.Tensor | None = None
+        if req.kind in (PUT, ACCUMULATE) and req.numel:
+            if status == OK or req.nbytes <= (
+                largest if rec is None else rec.data.numel() * rec.data.element_size()
+            ):
+                # within the window's size: received (and dropped if refused) so the pair stays in order
+                payload = torch.empty(req.numel, dtype=req.dtype)
+                self.channel_recv(payload, src, wp.TAG_PAYLOAD, where)
+            else:
+                self._reply(src, req.tag, status)
+                held = (
+                    "no such window"
+                    if rec is None
+                    else f"a window of {rec.data.numel()} {rec.data.dtype} elements"
+                )
+                raise CommFailedError(
+                    f"{where}: rank {src} declared a payload of {req.numel} {req.dtype} elements "
+                    f"({req.nbytes} bytes) for window id {req.wid}, but this rank has {held}; refused "
+                    f"without receiving it, and this rank serves rank {src} no longer"
+                )
         if rec is None or status != OK:
-            self._reply(src, tag, status, torch.zeros(numel, dtype=dtype) if kind == GET else None)
+            self._reply(src, req.tag, status)  # a refused GET gets no data (its requester stops waiting)
             return
-        mutexed = bool(flags & F_MUTEX)
-        if payload is not None:
-            pl = payload
-            add = kind == ACCUMULATE
+        self._dispatch(rec, src, req, payload)
+
+    def _dispatch(self, rec: WindowRecord, src: int, req: Request, payload: torch.Tensor | None) -> None:
+        tag = req.tag
+        if req.kind in (PUT, ACCUMULATE):
+            pl = torch.empty(0, dtype=req.dtype) if payload is None else payload
+            add = req.kind == ACCUMULATE
             rec.mutex.submit(
-                src, lambda: self._guard(src, lambda: self._apply(rec, src, pl, add, tag)), mutexed=mutexed
+                src,
+                lambda: self._guard(src, lambda: self._apply(rec, src, pl, add, tag)),
+                mutexed=req.mutexed,
             )
-        elif kind == GET:
+        elif req.kind == GET:
             rec.mutex.submit(
-                src, lambda: self._guard(src, lambda: self._answer_get(rec, src, tag)), mutexed=mutexed
+                src, lambda: self._guard(src, lambda: self._answer_get(rec, src, tag)), mutexed=req.mutexed
             )
-        elif kind == LOCK:
+        elif req.kind == LOCK:
             rec.mutex.request(src, lambda: self._guard(src, lambda: self._reply(src, tag, OK)))
         else:
-            self._reply(src, tag, OK if rec.mutex.unlock(src) else NOT_HOLDER)
+            self._reply(src, tag, OK if rec.mutex.unlock(src) else wp.NOT_HOLDER)
+
+    def channel_recv(self, t: torch.Tensor, src: int, tag: int, where: str) -> None:
+        assert self.channel is not None
+        self.channel.batch("window_service", [recv_op(t, src, tag)], name=where)
 
     def _guard(self, src: int, fn: Callable[[], None]) -> None:
         """Run a (possibly deferred) action; record its failure instead of raising it into the thread
@@ -360,23 +326,11 @@ class WindowService:
         self._reply(src, tag, OK, snap)
 
     def _reply(self, dst: int, tag: int, status: int, data: torch.Tensor | None = None) -> None:
-        assert self.chan is not None
-        pg = self.chan.pg
-        where = f"lowband window service on rank {self.rank} (reply to rank {dst})"
-        works = [pg.send([torch.tensor([status], dtype=torch.int64)], dst, tag)]
+        assert self.channel is not None
+        ops = [send_op(torch.tensor([status], dtype=torch.int64), dst, tag, control=True)]
         if data is not None and data.numel():
-            works.append(pg.send([data], dst, tag + 1))
-        for w in works:
-            self.wait_work(w, where)
-
-
-def _vet(rec: WindowRecord | None, src: int, kind: int, numel: int, dtype: torch.dtype) -> int:
-    if rec is None:
-        return UNKNOWN
-    if kind in (PUT, ACCUMULATE, GET) and (numel != rec.data.numel() or dtype != rec.data.dtype):
-        return MISMATCH
-    allowed = {PUT: rec.in_nbrs, ACCUMULATE: rec.in_nbrs, GET: rec.out_nbrs}.get(kind, rec.peers)
-    return OK if src in allowed else NOT_NEIGHBOR
+            ops.append(send_op(data, dst, tag + 1))
+        self.channel.batch("window_service", ops, name=f"reply to rank {dst}", trace=len(ops) > 1)
 
 
 @dataclass
@@ -403,9 +357,9 @@ def service_for(ctx: Context, g: Group) -> WindowService:
     reg = registry(ctx)
     entry = reg.services.get(id(g.pg))
     if entry is None:
-        chan = open_channel(ctx, g) if g.size > 1 else None
-        svc = WindowService(ctx, g, chan)
-        if chan is not None and not ctx.threaded:
+        channel = open_channel(ctx, g) if g.size > 1 else None
+        svc = WindowService(ctx, g, channel)
+        if channel is not None and not ctx.threaded:
             atexit.register(_close_at_exit, weakref.ref(svc))
         entry = (g.pg, svc)
         reg.services[id(g.pg)] = entry
@@ -454,12 +408,3 @@ def check_neighbors(at: str, what: str, ranks: list[int], allowed: tuple[int, ..
             f"{at}: {what} lists rank {bad[0]}, which is not an {kind} of this rank in the window's "
             f"static topology ({kind}s: {list(allowed)})"
         )
-
-
-def check_statuses(at: str, what: str, peers: list[int], statuses: list[torch.Tensor], g: Group) -> None:
-    """Raise :class:`CommFailedError` for the first peer that answered a request with an error status."""
-    for p, s in zip(peers, statuses):
-        code = int(s.item())
-        if code != OK:
-            text = STATUS_TEXT.get(code, f"answered status {code}")
-            raise CommFailedError(f"{at}: rank {g.ranks[p]} rejected the {what}: its window {text}")

@@ -1,0 +1,192 @@
+"""Batched point-to-point: many sends and receives on one group, posted at once, as one traced op.
+
+This is the transport of lowband's own message patterns (the neighbor ops and the one-sided windows of
+:mod:`lowband.decentral`). The caller lists the messages in posting order (receives first, then sends:
+posting never blocks, so no rank waits for a peer that has not posted yet) and gets one
+:class:`~lowband.comm.handle.Handle` whose ``wait()`` waits every message (bounded) and then runs the
+op's finishing step. Like every other op, the batch is traced and counted under the op's name (data
+bytes; control messages such as headers and status words are moved but not counted, as with
+:func:`lowband.send`'s header), and torch's errors when posting or waiting become
+:class:`CommTimeoutError` / :class:`CommFailedError` naming the op and the rank.
+
+Tags are the process group's own tags: a batch on a group that also carries :func:`lowband.send` /
+:func:`lowband.recv` (which use ``2*tag`` and ``2*tag+1``) must keep to tags those never use, or run on a
+group of its own.
+
+:class:`Channel` is the same for threads without a runtime context (the receiver threads of a window
+service answer other ranks from threads of their own): it holds the group, the rank, the timeout and the
+tracer, captured on the rank's own thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from lowband.comm.base import nbytes, resolve
+from lowband.comm.handle import Handle, comm_error
+from lowband.comm.trace import Tracer
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+
+T = TypeVar("T")
+
+SEND, RECV = "send", "recv"
+
+
+@dataclass(frozen=True, eq=False)
+class P2POp:
+    """One message of a batch: ``kind`` is ``"send"`` or ``"recv"``, ``peer`` a rank of the group,
+    ``tensor`` a contiguous buffer (sent as is, or received into in place)."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+    tag: int
+    #: a control message (a header, a status word): moved, not counted as data bytes
+    control: bool = False
+    #: a message its peer may refuse (a payload, an answer): checked when the batch is waited, after the
+    #: messages listed before it completed; once it returns True the message is no longer waited for
+    #: (it stays posted on the process group)
+    abandon_if: Callable[[], bool] | None = None
+
+
+def send_op(
+    tensor: torch.Tensor,
+    peer: int,
+    tag: int,
+    *,
+    control: bool = False,
+    abandon_if: Callable[[], bool] | None = None,
+) -> P2POp:
+    return P2POp(SEND, tensor, peer, tag, control, abandon_if)
+
+
+def recv_op(
+    tensor: torch.Tensor,
+    peer: int,
+    tag: int,
+    *,
+    control: bool = False,
+    abandon_if: Callable[[], bool] | None = None,
+) -> P2POp:
+    return P2POp(RECV, tensor, peer, tag, control, abandon_if)
+
+
+class _Abandonable:
+    """A torch work that counts as complete once ``cond()`` says its peer refused the message."""
+
+    def __init__(self, work: Any, cond: Callable[[], bool]) -> None:
+        self.work = work
+        self.cond = cond
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        return True if self.cond() else bool(self.work.wait(timeout))
+
+    def is_completed(self) -> bool:
+        return self.cond() or bool(self.work.is_completed())
+
+    def get_future(self) -> Any:
+        raise RuntimeError("an abandonable send has no future")
+
+
+@dataclass(frozen=True, eq=False)
+class Channel:
+    """Batched point-to-point on ``group`` as world rank ``rank``, bounded by ``timeout`` seconds and
+    traced by ``tracer``; usable from any thread (see the module docstring)."""
+
+    group: Group
+    rank: int
+    timeout: float
+    tracer: Tracer
+
+    @staticmethod
+    def of(group: Group | None, op: str = "batch_p2p") -> Channel:
+        """The calling rank's channel on ``group`` (default: the world)."""
+        ctx, g = resolve(op, group)
+        return Channel(g, ctx.rank, ctx.config.timeout, ctx.tracer)
+
+    def where(self, op: str, name: str | None = None) -> str:
+        label = f" {name!r}" if name else ""
+        return f"lowband.{op}{label} on rank {self.rank}"
+
+    def _check(self, op: str, ops: Sequence[P2POp]) -> None:
+        g = self.group
+        for m in ops:
+            g.check_rank(op, "peer", m.peer)
+            if m.kind not in (SEND, RECV) or m.peer == g.rank or not m.tensor.is_contiguous():
+                raise InvalidArgumentError(
+                    f"{self.where(op)}: a batched message must be a send or a receive of a contiguous "
+                    f"tensor to another rank of group {g.name!r}, got {m.kind} to rank {m.peer}"
+                )
+
+    def post(self, op: str, ops: Sequence[P2POp], name: str | None = None) -> list[Any]:
+        """Post every message in order; returns torch's works (raw; prefer :meth:`ibatch`)."""
+        self._check(op, ops)
+        pg = self.group.pg
+        works: list[Any] = []
+        try:
+            for m in ops:
+                if m.kind == SEND:
+                    w = pg.send([m.tensor], m.peer, m.tag)
+                else:
+                    w = pg.recv([m.tensor], m.peer, m.tag)
+                works.append(w if m.abandon_if is None else _Abandonable(w, m.abandon_if))
+        except RuntimeError as exc:  # a pair closed by an earlier timeout, a dead peer
+            raise comm_error(self.where(op, name), exc, self.timeout) from exc
+        return works
+
+    def ibatch(
+        self,
+        op: str,
+        ops: Sequence[P2POp],
+        finish: Callable[[], T],
+        *,
+        name: str | None = None,
+        after_post: Callable[[], None] | None = None,
+        trace: bool = True,
+    ) -> Handle[T]:
+        """Post ``ops`` in order as one op named ``op``; ``after_post`` runs once they are posted (local
+        work overlapping the transfer); ``wait()`` waits them all and returns ``finish()``."""
+        tracer = self.tracer
+        ev = None
+        if trace and tracer.enabled:
+            sent = sum(nbytes(m.tensor) for m in ops if m.kind == SEND and not m.control)
+            received = sum(nbytes(m.tensor) for m in ops if m.kind == RECV and not m.control)
+            ev = tracer.start(op, name, sent, received, self.group.name)
+        works = self.post(op, ops, name)
+        if after_post is not None:
+            after_post()
+        return Handle(
+            works, finish, op=op, name=name, rank=self.rank, timeout=self.timeout, tracer=tracer, event=ev
+        )
+
+    def batch(
+        self,
+        op: str,
+        ops: Sequence[P2POp],
+        *,
+        timeout: float | None = None,
+        name: str | None = None,
+        trace: bool = True,
+    ) -> None:
+        """Post ``ops`` and wait for them (at most ``timeout`` seconds, default the channel's)."""
+        self.ibatch(op, ops, lambda: None, name=name, trace=trace).wait(timeout)
+
+
+def ibatch_p2p(
+    op: str,
+    ops: Sequence[P2POp],
+    finish: Callable[[], T],
+    *,
+    name: str | None = None,
+    group: Group | None = None,
+    after_post: Callable[[], None] | None = None,
+) -> Handle[T]:
+    """Nonblocking batch of sends and receives on ``group`` (default: the world), traced as ``op``;
+    see :meth:`Channel.ibatch`."""
+    return Channel.of(group, op).ibatch(op, ops, finish, name=name, after_post=after_post)
