@@ -10,7 +10,10 @@ import torch
 
 import lowband
 from lowband.comm.trace import merge_chrome_traces
+from lowband.decentral import neighbor_allreduce
+from lowband.decentral import window as W
 from lowband.testing import run_threads
+from lowband.topology import exponential_two
 
 
 def test_off_by_default() -> None:
@@ -57,6 +60,34 @@ def test_counters_follow_the_byte_model(n: int) -> None:
             assert c["send"] == {"calls": 1, "bytes_sent": 28, "bytes_received": 0}
         if n > 1 and r == 1:
             assert c["recv"] == {"calls": 1, "bytes_sent": 0, "bytes_received": 28}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_decentral_traffic_is_counted(n: int) -> None:
+    numel = 30
+    m = 8 * numel  # bytes of the float64 tensor
+
+    def rank_fn() -> dict[str, dict[str, int]]:
+        x = torch.full((numel,), float(lowband.rank()), dtype=torch.float64)
+        neighbor_allreduce(x)
+        W.win_create(x.clone(), "w")
+        W.win_put(x, "w")
+        W.win_get("w")
+        lowband.barrier()  # every rank's service has answered every request
+        c = lowband.counters()
+        W.win_free("w")
+        return c
+
+    out = run_threads(rank_fn, n, trace=True)
+    topo = exponential_two(n)
+    for r, c in enumerate(out):
+        outs, ins = len(topo.out_neighbors(r)), len(topo.in_neighbors(r))
+        assert c["neighbor_allreduce"] == {"calls": 1, "bytes_sent": m * outs, "bytes_received": m * ins}
+        assert c["win_put"] == {"calls": 1, "bytes_sent": m * outs, "bytes_received": 0}
+        assert c["win_get"] == {"calls": 1, "bytes_sent": 0, "bytes_received": m * ins}
+        # this rank's service received its in-neighbors' puts and answered its out-neighbors' gets
+        served = {"calls": ins + outs, "bytes_sent": m * outs, "bytes_received": m * ins}
+        assert c.get("window_service", {"calls": 0, "bytes_sent": 0, "bytes_received": 0}) == served
 
 
 def test_timeline_and_chrome_trace(tmp_path: Path) -> None:

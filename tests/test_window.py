@@ -416,6 +416,52 @@ def test_errors_name_rank_and_argument(n: int) -> None:
         assert "shape" in msgs[-1] and f"rank {n - 1}" in msgs[-1]
 
 
+# ---------------------------------------------------------------- a peer declaring a size that does not fit
+
+
+def _forged_requests() -> list[Any]:
+    """Rank 0 sends rank 1 hand-made requests: a put of the window's bytes in another dtype (refused,
+    received within the window's size, the pair stays usable), then one declaring 2**40 float64 elements
+    (8 TiB) with no payload behind it (refused before anything is allocated)."""
+    from lowband.decentral.window_protocol import MISMATCH, PUT, request_ops
+    from lowband.decentral.window_service import lookup, registry
+
+    r = lowband.rank()
+    x = _x(r, 3)
+    W.win_create(x, "f", topology=fully_connected(2), zero_init=True)
+    out: list[Any] = []
+    if r == 0:
+        _, svc, rec = lookup("test", "f")
+        half = torch.ones(2 * x.numel(), dtype=torch.float32)  # the window's bytes, another dtype
+        ops, st = request_ops(
+            1, PUT, rec.wid, svc.next_tag(), payload=half, numel=half.numel(), dtype=half.dtype
+        )
+        svc.post("win_put", ops, lambda: True).wait(10.0)
+        out.append(int(st.item()))
+        W.win_put(x, "f")  # the pair still works
+        ops, st = request_ops(1, PUT, rec.wid, svc.next_tag(), numel=2**40, dtype=F64)
+        svc.post("win_put", ops, lambda: True).wait(10.0)
+        out.append(int(st.item()))
+        out.append(MISMATCH)
+    lowband.barrier()
+    if r == 1:
+        out.append(registry(lowband.runtime.current()).by_name["f"][1].buffers[0].clone())
+        with pytest.raises(CommFailedError) as info:
+            W.get_win_version("f")  # the service's failure surfaces on this rank's next window call
+        out.append(str(info.value))
+    return out
+
+
+def test_window_service_checks_declared_size_before_receiving() -> None:
+    res = run_threads(_forged_requests, 2, timeout=60)
+    first, second, mismatch = res[0]
+    assert first == mismatch and second == mismatch
+    buf, msg = res[1]
+    assert torch.equal(buf, _x(0, 3))  # the genuine put after the refused one was applied
+    assert "rank 0 declared a payload of 1099511627776 torch.float64 elements" in msg, msg
+    assert "refused without receiving it" in msg and "on rank 1" in msg
+
+
 # ---------------------------------------------------------------- free / re-create, several windows, groups
 
 

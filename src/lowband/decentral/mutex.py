@@ -33,15 +33,15 @@ import torch
 
 from lowband.comm.batch import P2POp
 from lowband.decentral.peers import check_rank_list
-from lowband.decentral.window_protocol import LOCK, UNLOCK, check_statuses, request_ops
-from lowband.decentral.window_service import (
-    WindowRecord,
-    WindowService,
+from lowband.decentral.window_protocol import (
+    LOCK,
+    UNLOCK,
     check_flag,
     check_neighbors,
-    lookup,
-    where,
+    check_statuses,
+    request_ops,
 )
+from lowband.decentral.window_service import WindowRecord, WindowService, lookup, where
 from lowband.errors import CommTimeoutError, InvalidArgumentError
 from lowband.runtime import Context
 

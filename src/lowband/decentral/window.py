@@ -71,7 +71,8 @@ from lowband.decentral.window_ops import (
     win_put_nonblocking,
     win_wait,
 )
-from lowband.decentral.window_service import WindowRecord, check_flag, lookup, registry, service_for, where
+from lowband.decentral.window_protocol import check_flag
+from lowband.decentral.window_service import WindowRecord, lookup, registry, service_for, where
 from lowband.decentral.window_state import (
     get_win_version,
     win_load_state_dict,

@@ -17,14 +17,16 @@ from lowband.comm.base import contiguous_flat
 from lowband.comm.batch import P2POp
 from lowband.comm.handle import Handle
 from lowband.decentral.peers import check_dst, check_weight, check_weight_map
-from lowband.decentral.window_protocol import ACCUMULATE, GET, PUT, check_statuses, request_ops
-from lowband.decentral.window_service import (
-    WindowRecord,
+from lowband.decentral.window_protocol import (
+    ACCUMULATE,
+    GET,
+    PUT,
     check_flag,
     check_neighbors,
-    lookup,
-    where,
+    check_statuses,
+    request_ops,
 )
+from lowband.decentral.window_service import WindowRecord, lookup, where
 from lowband.errors import InvalidArgumentError
 from lowband.runtime import current
 
@@ -159,7 +161,10 @@ def win_get_nonblocking(
 ) -> Handle[bool]:
     """Nonblocking :func:`win_get`; the buffers are written when the handle is waited (or polled done
     and then waited)."""
-    op = "win_get_nonblocking"
+    return _fetch("win_get_nonblocking", name, src_weights, require_mutex)
+
+
+def _fetch(op: str, name: str, src_weights: Mapping[int, float] | None, require_mutex: bool) -> Handle[bool]:
     ctx, svc, rec = lookup(op, name)
     at = where(op, ctx, name)
     srcs = (
@@ -210,7 +215,7 @@ def win_get(
     """Fetch each source's registered tensor ``* src_weights[r]`` (default: every in-neighbor, weight 1)
     into this rank's buffer for it. With ``require_mutex`` each source answers while holding its window
     mutex. Returns True once the buffers are written."""
-    return win_get_nonblocking(name, src_weights=src_weights, require_mutex=require_mutex).wait()
+    return _fetch("win_get", name, src_weights, require_mutex).wait()
 
 
 def win_wait(handle: Handle[Any]) -> bool:

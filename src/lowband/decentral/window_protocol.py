@@ -25,7 +25,7 @@ import torch
 
 from lowband.comm.batch import P2POp, recv_op, send_op
 from lowband.comm.validate import CODE_DTYPES, DTYPE_CODES
-from lowband.errors import CommFailedError
+from lowband.errors import CommFailedError, InvalidArgumentError
 from lowband.group import Group
 
 if TYPE_CHECKING:  # window_service.py imports this module
@@ -143,3 +143,19 @@ def check_statuses(at: str, what: str, peers: list[int], statuses: list[torch.Te
         if code != OK:
             text = STATUS_TEXT.get(code, f"answered status {code}")
             raise CommFailedError(f"{at}: rank {g.ranks[p]} rejected the {what}: its window {text}")
+
+
+def check_flag(at: str, what: str, v: object) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidArgumentError(f"{at}: {what} must be a bool, got {v!r}")
+    return v
+
+
+def check_neighbors(at: str, what: str, ranks: list[int], allowed: tuple[int, ...], kind: str) -> None:
+    """Every rank of ``ranks`` is in ``allowed`` (the window topology's ``kind`` s of this rank)."""
+    bad = [r for r in ranks if r not in allowed]
+    if bad:
+        raise InvalidArgumentError(
+            f"{at}: {what} lists rank {bad[0]}, which is not an {kind} of this rank in the window's "
+            f"static topology ({kind}s: {list(allowed)})"
+        )

@@ -100,7 +100,7 @@ def open_channel(ctx: Context, g: Group) -> Channel:
 class WindowService:
     """One rank's window service for one lowband group (see the module docstring)."""
 
-    def __init__(self, ctx: Context, group: Group, channel: Channel | None) -> None:
+    def __init__(self, ctx: Context, group: Group, channel: Channel) -> None:
         # (no reference to ``ctx``: the context holds this service in ``ctx.state``)
         self.rank = ctx.rank
         self.timeout = ctx.config.timeout
@@ -140,8 +140,6 @@ class WindowService:
 
     def start_receivers(self, peers: tuple[int, ...]) -> None:
         """Start a receiver thread for each of ``peers`` that has none yet."""
-        if self.channel is None:
-            return
         self.stopping = False
         for p in peers:
             if p not in self.receivers:
@@ -163,7 +161,7 @@ class WindowService:
     def stop(self, where: str) -> None:
         """Send STOP to every peer and join this rank's receivers (after the collective barrier of
         ``win_free``, when no request can be in flight)."""
-        if self.channel is None or not self.receivers:
+        if not self.receivers:
             return
         self.stopping = True
         with self._send_lock:
@@ -184,7 +182,7 @@ class WindowService:
         """Best effort at interpreter exit when windows were not freed: tell every peer to stop its
         receiver for this rank and give this rank's receivers ``budget`` seconds to be told the same
         (a thread still blocked in gloo at exit aborts the process)."""
-        if self.channel is None or not self.receivers:
+        if not self.receivers:
             return
         self.stopping = True
         for p in sorted(self.receivers):
@@ -206,15 +204,12 @@ class WindowService:
     ) -> Handle[bool]:
         """Post the messages of requests (built by :func:`window_protocol.request_ops`) as one traced
         op; a request's header and payload leave back to back."""
-        if self.channel is None:  # a group of one: nobody to ask
-            return Handle([], finish, op=op, name=name, rank=self.rank, timeout=self.timeout)
         with self._send_lock:
             return self.channel.ibatch(op, ops, finish, name=name)
 
     # -- the serving side (receiver threads) ----------------------------------------------------
 
     def _loop(self, src: int) -> None:
-        assert self.channel is not None
         where = f"lowband window service on rank {self.rank}"
         while True:
             hdr = torch.empty(wp.HEADER, dtype=torch.int64)
@@ -295,7 +290,6 @@ class WindowService:
             self._reply(src, tag, OK if rec.mutex.unlock(src) else wp.NOT_HOLDER)
 
     def channel_recv(self, t: torch.Tensor, src: int, tag: int, where: str) -> None:
-        assert self.channel is not None
         self.channel.batch("window_service", [recv_op(t, src, tag)], name=where)
 
     def _guard(self, src: int, fn: Callable[[], None]) -> None:
@@ -326,7 +320,6 @@ class WindowService:
         self._reply(src, tag, OK, snap)
 
     def _reply(self, dst: int, tag: int, status: int, data: torch.Tensor | None = None) -> None:
-        assert self.channel is not None
         ops = [send_op(torch.tensor([status], dtype=torch.int64), dst, tag, control=True)]
         if data is not None and data.numel():
             ops.append(send_op(data, dst, tag + 1))
@@ -357,9 +350,10 @@ def service_for(ctx: Context, g: Group) -> WindowService:
     reg = registry(ctx)
     entry = reg.services.get(id(g.pg))
     if entry is None:
-        channel = open_channel(ctx, g) if g.size > 1 else None
+        # a group of one has nobody to ask: its channel is the group itself, never posted on
+        channel = open_channel(ctx, g) if g.size > 1 else Channel(g, ctx.rank, ctx.config.timeout, ctx.tracer)
         svc = WindowService(ctx, g, channel)
-        if channel is not None and not ctx.threaded:
+        if g.size > 1 and not ctx.threaded:
             atexit.register(_close_at_exit, weakref.ref(svc))
         entry = (g.pg, svc)
         reg.services[id(g.pg)] = entry
@@ -392,19 +386,3 @@ def lookup(op: str, name: object) -> tuple[Context, WindowService, WindowRecord]
         )
     entry[0].check()
     return ctx, entry[0], entry[1]
-
-
-def check_flag(at: str, what: str, v: object) -> bool:
-    if not isinstance(v, bool):
-        raise InvalidArgumentError(f"{at}: {what} must be a bool, got {v!r}")
-    return v
-
-
-def check_neighbors(at: str, what: str, ranks: list[int], allowed: tuple[int, ...], kind: str) -> None:
-    """Every rank of ``ranks`` is in ``allowed`` (the window topology's ``kind`` s of this rank)."""
-    bad = [r for r in ranks if r not in allowed]
-    if bad:
-        raise InvalidArgumentError(
-            f"{at}: {what} lists rank {bad[0]}, which is not an {kind} of this rank in the window's "
-            f"static topology ({kind}s: {list(allowed)})"
-        )

@@ -13,7 +13,8 @@ import torch
 from lowband.decentral.mutex import own_mutex
 from lowband.decentral.peers import check_weight, check_weight_map
 from lowband.decentral.window_ops import same_tensor
-from lowband.decentral.window_service import WindowRecord, check_flag, check_neighbors, lookup, where
+from lowband.decentral.window_protocol import check_flag, check_neighbors
+from lowband.decentral.window_service import WindowRecord, lookup, where
 from lowband.errors import InvalidArgumentError
 
 Tensor = torch.Tensor
