@@ -10,14 +10,15 @@ Every interface lives in a namespace the testbed created; the root namespace's i
 firewall are never touched. The owner pid in the names lets :func:`clean` recognise leftovers of a
 crashed run and leave a live owner's testbed alone. Without root (or ``ip``/``tc``/tbf) the testbed
 falls back to plain loopback and says ``UNSHAPED`` wherever it is labelled.
+
+Building the namespaces and links is :mod:`lowband.testbed.namespaces`; this module names them, owns
+their life cycle (up, down, signals, exit) and spawns the ranks into them.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,9 +35,9 @@ from lowband.testbed.leftovers import (
     delete_netns,
     have_root,
     list_testbeds,
-    run_cmd,
 )
 from lowband.testbed.links import DEFAULT_MTU, Layout, check_mtu
+from lowband.testbed.namespaces import RANK_IF, build_links, read_iface_bytes, shaping_available
 from lowband.testbed.procs import kill_group, start_procs, wait_procs
 
 __all__ = [
@@ -50,57 +51,7 @@ __all__ = [
     "wait_procs",
 ]
 
-BRIDGE = "br0"
-RANK_IF = "veth0"
-TBF_LATENCY = "100ms"
-MIN_BURST = 64 * 1024
 DEFAULT_PORT = 29500
-
-
-@functools.lru_cache(maxsize=1)
-def shaping_available() -> tuple[bool, str]:
-    """(ok, reason): can this machine build shaped links? Checks root, ``ip``/``tc``, and really
-    creates a bridge, a veth pair and a tbf qdisc in a throw-away namespace (result cached)."""
-    if not sys.platform.startswith("linux"):
-        return False, f"network namespaces need Linux, this is {sys.platform}"
-    if not have_root():
-        return False, "not root"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return False, f"the `{tool}` command (iproute2) is missing"
-    probe = f"lb-{os.getpid()}-probe"
-    cmds = [
-        ["ip", "netns", "add", probe],
-        ["ip", "-n", probe, "link", "add", "pb0", "type", "bridge"],
-        ["ip", "-n", probe, "link", "add", "pv0", "type", "veth", "peer", "name", "pv1"],
-        ["tc", "-n", probe, "qdisc", "add", "dev", "pv0", "root", "tbf", *_tbf_args(1e8)],
-    ]
-    try:
-        for cmd in cmds:
-            res = run_cmd(cmd, check=False)
-            if res.returncode != 0:
-                what = "tbf qdisc (sch_tbf)" if cmd[0] == "tc" else " ".join(cmd[3:6])
-                return False, f"the kernel refused {what}: {res.stderr.strip()}"
-    finally:
-        run_cmd(["ip", "netns", "del", probe], check=False)
-    return True, ""
-
-
-def _tbf_args(rate: float, mtu: int = DEFAULT_MTU) -> list[str]:
-    """tbf parameters: burst of 4 ms of traffic at ``rate``, at least 64 KiB and 2 frames; 100 ms queue."""
-    burst = max(MIN_BURST, int(rate / 8 / 250), 2 * (mtu + 64))
-    return ["rate", f"{int(rate)}bit", "burst", str(burst), "latency", TBF_LATENCY]
-
-
-def read_iface_bytes(ifname: str) -> tuple[int, int]:
-    """(tx_bytes, rx_bytes) of interface ``ifname`` in the calling process's network namespace."""
-    with open("/proc/net/dev") as f:
-        for line in f.readlines()[2:]:
-            name, _, data = line.partition(":")
-            if name.strip() == ifname:
-                fields = data.split()
-                return int(fields[8]), int(fields[0])
-    raise InvalidArgumentError(f"lowband.testbed.read_iface_bytes: no interface {ifname!r} in this namespace")
 
 
 _seq_lock = threading.Lock()
@@ -256,72 +207,9 @@ class Testbed:
             raise
 
     def _build(self) -> None:
-        br = self.bridge_ns
-        run_cmd(["ip", "netns", "add", br])
-        run_cmd(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"])
-        run_cmd(["ip", "-n", br, "link", "set", BRIDGE, "up"])
-        for m, spec in enumerate(self.layout.machines):
-            ns, port = self.machine_ns(m), f"vm{m}"
-            run_cmd(["ip", "netns", "add", ns])
-            run_cmd(
-                ["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", RANK_IF, "netns", ns]
-            )
-            run_cmd(["ip", "-n", br, "link", "set", port, "mtu", str(self.mtu), "master", BRIDGE, "up"])
-            run_cmd(["ip", "-n", ns, "link", "set", RANK_IF, "mtu", str(self.mtu), "up"])
-            run_cmd(["ip", "-n", ns, "addr", "add", f"{self.address(m)}/24", "dev", RANK_IF])
-            run_cmd(["ip", "-n", ns, "link", "set", "lo", "up"])
-            if spec.up is not None:
-                run_cmd(
-                    [
-                        "tc",
-                        "-n",
-                        ns,
-                        "qdisc",
-                        "add",
-                        "dev",
-                        RANK_IF,
-                        "root",
-                        "tbf",
-                        *_tbf_args(spec.up, self.mtu),
-                    ]
-                )
-            if spec.down is not None:
-                run_cmd(
-                    [
-                        "tc",
-                        "-n",
-                        br,
-                        "qdisc",
-                        "add",
-                        "dev",
-                        port,
-                        "root",
-                        "tbf",
-                        *_tbf_args(spec.down, self.mtu),
-                    ]
-                )
-            if self.layout.intra is not None and self.layout.ranks_per_machine > 1:
-                run_cmd(["ip", "-n", ns, "link", "set", "lo", "mtu", str(self.mtu)])
-                run_cmd(
-                    [
-                        "tc",
-                        "-n",
-                        ns,
-                        "qdisc",
-                        "add",
-                        "dev",
-                        "lo",
-                        "root",
-                        "tbf",
-                        *_tbf_args(self.layout.intra, self.mtu),
-                    ]
-                )
-            if spec.delay_ms > 0:
-                from lowband.testbed.delay import Delayer
-
-                delayer = Delayer(ns, RANK_IF, spec.delay_ms)
-                self._delayers.append(delayer)
-                delayer.start()
+        self._delayers.extend(
+            build_links(self.layout, self.bridge_ns, self.machine_ns, self.address, self.mtu)
+        )
 
     def down(self) -> None:
         """Kill this testbed's processes and remove every namespace, link and rule it made (idempotent)."""
