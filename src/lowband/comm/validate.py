@@ -111,7 +111,7 @@ def describe(row: list[int], args: bool = False) -> str:
     op = inv.get(row[F_OP], f"op #{row[F_OP]}")
     if op == "agree":
         return "lowband.agree (a cross-rank agreement)"
-    if op == "grouped_allreduce":
+    if op in ("grouped_allreduce", "grouped_neighbor_allreduce"):
         text = f"{op} of {row[F_DIM0]} tensors (layout hash {row[F_HASH]})"
         return text + (_arg_text(op, row[F_ARG]) if args else "")
     nd = row[F_NDIM]

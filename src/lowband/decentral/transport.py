@@ -88,9 +88,9 @@ def route(
     send, recv = peers.send, peers.recv
     if g.size > 1 and (check or peers.needs_exchange):
         row = make_row(op, dtype, shape, peers, g.size)
-        rows = exchange(op, g, row, ctx.config.timeout)
+        rows = exchange(op, g, row, ctx.config.timeout, vary_dim0=vary_dim0)
         label = f"{where(op, ctx)} (group {g.name!r})"
-        links = resolve_links(label, g.ranks, g.rank, rows, vary_dim0=vary_dim0)
+        links = resolve_links(label, g.ranks, g.rank, rows)
         send = {i: 1.0 if peers.send is None else peers.send[i] for i in links.send}
         recv = {j: 1.0 if peers.recv is None else peers.recv[j] for j in links.recv}
     n, me = g.size, g.rank

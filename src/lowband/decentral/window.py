@@ -54,11 +54,10 @@ Consistency model
 
 from __future__ import annotations
 
-import binascii
-
 import torch
 
 from lowband.comm import validate
+from lowband.comm.agree import agree, crc
 from lowband.decentral.mutex import WindowMutex, win_lock, win_mutex
 from lowband.decentral.state import check_topology_arg, load_topology
 from lowband.decentral.window_ops import (
@@ -80,9 +79,9 @@ from lowband.decentral.window_state import (
     win_update,
     win_update_then_collect,
 )
-from lowband.errors import CollectiveMismatchError, InvalidArgumentError
+from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.runtime import Context, current, world_group
+from lowband.runtime import current, world_group
 from lowband.topology import Topology
 
 Tensor = torch.Tensor
@@ -92,35 +91,23 @@ Tensor = torch.Tensor
 
 
 def _signature(t: Tensor, name: str, topo: Topology) -> list[int]:
-    dims = list(t.shape)
-    crc = binascii.crc32
+    """What every rank must create alike (checked with :func:`lowband.comm.agree.agree`)."""
     return [
         validate.DTYPE_CODES[t.dtype],
-        len(dims),
-        crc(repr(tuple(dims)).encode()),
-        crc(name.encode()),
+        t.dim(),
+        crc(tuple(t.shape)),
+        crc(name),
         crc(topo.weights.tobytes()),
     ]
 
 
-def _agree(ctx: Context, g: Group, at: str, sig: list[int]) -> None:
-    """Every rank of ``g`` raises the same :class:`CollectiveMismatchError` unless all passed the same
-    window signature (one small allgather on the control process group)."""
-    rows = validate.exchange(g, torch.tensor(sig, dtype=torch.int64), ctx.config.timeout).tolist()
-    fields = ("dtype", "shape", "shape", "name", "topology")
-    for r, row in enumerate(rows):
-        diff = sorted({fields[i] for i in range(len(fields)) if row[i] != rows[0][i]})
-        if diff:
-            raise CollectiveMismatchError(
-                f"{at}: {'/'.join(diff)} differ across ranks: rank {g.ranks[0]} and rank {g.ranks[r]} "
-                "called win_create with different windows (every rank must give the same name, dtype, "
-                "shape and topology)"
-            )
-
-
-def _barrier(ctx: Context, g: Group, at: str) -> None:
-    if g.size > 1:
-        validate.exchange(g, torch.zeros(1, dtype=torch.int64), ctx.config.timeout)
+_FIELDS = (
+    "the dtype code",
+    "the number of dimensions",
+    "the shape hash",
+    "the name hash",
+    "the topology hash",
+)
 
 
 def win_create(
@@ -157,7 +144,8 @@ def win_create(
         raise InvalidArgumentError(f"{at}: a window named {name!r} already exists; free it first (win_free)")
     topo = load_topology(g) if topology is None else check_topology_arg(op, ctx, topology, g.size, "topology")
     if g.size > 1:
-        _agree(ctx, g, at, _signature(tensor, name, topo))
+        what = "the window to create (every rank gives the same name, dtype, shape and topology)"
+        agree(g, what, _signature(tensor, name, topo), fields=_FIELDS, where=at)
     svc = service_for(ctx, g)
     svc.check()
     me = g.rank
@@ -179,7 +167,8 @@ def win_create(
     svc.register(rec)
     reg.by_name[name] = (svc, rec)
     svc.start_receivers(rec.peers)
-    _barrier(ctx, g, at)  # nobody sends to a window that a neighbor has not registered yet
+    # nobody sends to a window that a neighbor has not registered yet
+    agree(g, "the window registered", [rec.wid], fields=("the window id",), where=at)
     return True
 
 
@@ -202,7 +191,7 @@ def win_free(name: str | None = None) -> bool:
                 f"{at}: this rank still holds window mutexes (ranks {sorted(rec.held)}); exit win_mutex/win_lock first"
             )
         svc.wait_pending()
-        _barrier(ctx, svc.group, at)
+        agree(svc.group, "the window to free", [crc(n)], fields=("the name hash",), where=at)
         svc.drop(rec.wid)
         del reg.by_name[n]
         if not svc.windows:

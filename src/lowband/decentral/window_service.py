@@ -243,28 +243,30 @@ class WindowService:
         req = wp.decode(where, vals)
         with self._lock:
             rec = self.windows.get(req.wid)
-            largest = max((r.data.numel() * r.data.element_size() for r in self.windows.values()), default=0)
+            sizes = [r.data.numel() * r.data.element_size() for r in self.windows.values()]
+        # at most the window's size (the largest window's, for an unknown one) is ever allocated
+        limit = max(sizes, default=0) if rec is None else rec.data.numel() * rec.data.element_size()
         status = wp.vet(rec, src, req)
         payload: torch.Tensor | None = None
         if req.kind in (PUT, ACCUMULATE) and req.numel:
-            if status == OK or req.nbytes <= (
-                largest if rec is None else rec.data.numel() * rec.data.element_size()
-            ):
+            if status == OK or req.nbytes <= limit:
                 # within the window's size: received (and dropped if refused) so the pair stays in order
                 payload = torch.empty(req.numel, dtype=req.dtype)
                 self.channel_recv(payload, src, wp.TAG_PAYLOAD, where)
             else:
-                self._reply(src, req.tag, status)
                 held = (
                     "no such window"
                     if rec is None
                     else f"a window of {rec.data.numel()} {rec.data.dtype} elements"
                 )
-                raise CommFailedError(
+                exc = CommFailedError(
                     f"{where}: rank {src} declared a payload of {req.numel} {req.dtype} elements "
                     f"({req.nbytes} bytes) for window id {req.wid}, but this rank has {held}; refused "
                     f"without receiving it, and this rank serves rank {src} no longer"
                 )
+                self.fail(exc)  # recorded before the answer: the requester may ask this rank next
+                self._reply(src, req.tag, status)
+                raise exc
         if rec is None or status != OK:
             self._reply(src, req.tag, status)  # a refused GET gets no data (its requester stops waiting)
             return
