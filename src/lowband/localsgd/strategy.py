@@ -22,6 +22,7 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   ranks agree (one 2-float allreduce) on the seconds per byte they achieved, the first period after a
   (re)schedule being the baseline. When it moved by more than that fraction, the links are re-measured
   (``refit_comm``), and the schedule rebuilt, identically on all ranks, from the next period on.
+  Scheduling, lazy profiling and drift: :mod:`lowband.localsgd.rescheduling`.
 - ``scheduler``: any :func:`~lowband.localsgd.make_schedule` method. DreamDDP's default is
   ``"dreamddp"`` (Algorithm 2 + bubble filling as published); ``"dreamddp-ls"`` adds a local search
   beyond consecutive runs (:mod:`lowband.localsgd.search`; measured no faster here, see the README).
@@ -36,49 +37,37 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
 
 from __future__ import annotations
 
-import copy
-import time
-import zlib
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from lowband.comm.agree import agree
-from lowband.comm.collectives import allreduce
+from lowband.comm.agree import crc
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.divergence import model_divergence
-from lowband.localsgd.profiler import load_profile, profile_model, refit_comm
+from lowband.localsgd.profiler import load_profile
+from lowband.localsgd.rescheduling import ScheduledStrategy
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
 from lowband.localsgd.schedulers import scheduler_names
 from lowband.localsgd.units import (
-    UnitSpec,
-    choose_split,
-    layer_geometry,
-    plan_units,
     specs_from_checkpoint,
     unit_profile,
 )
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
-from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.base import LossFn, OptimizerFactory
 from lowband.strategies.registry import register_strategy
 
 DEFAULT_PERIOD = 5
 
 
-def _crc(obj: object) -> int:
-    return zlib.crc32(repr(obj).encode())
-
-
 @register_strategy(
     "dreamddp", "DreamDDP: partial-sync local SGD, layers averaged in place during backward, bubble filling"
 )
-class PartialSyncStrategy(Strategy):
+class PartialSyncStrategy(ScheduledStrategy):
     name = "dreamddp"
     #: the default scheduler (``lowband.localsgd.make_schedule`` method) of this variant
     method = "dreamddp"
@@ -183,7 +172,7 @@ class PartialSyncStrategy(Strategy):
             layout = [(n, [(tuple(p.shape), str(p.dtype)) for p in ps]) for n, ps in layers]
             self._agree(
                 "the model's layers, the period, the variant and the schedule",
-                [len(layers), _crc(layout), period, _crc(self.method), self._schedule_crc()],
+                [len(layers), crc(layout), period, crc(self.method), self._schedulecrc()],
                 (
                     "the number of layers",
                     "the layout hash",
@@ -195,68 +184,6 @@ class PartialSyncStrategy(Strategy):
         except BaseException:
             self.close()  # leave the model without our hooks
             raise
-
-    # -- schedule and profile ---------------------------------------------------------------------
-    def _planner(self, profile: CostProfile) -> Callable[[int], list[UnitSpec]]:
-        """Checks that ``profile`` holds the model's layers; returns ``max_bytes -> units``."""
-        names = [lc.name for lc in profile.layers]
-        if sorted(names) != sorted(self._names):
-            raise InvalidArgumentError(
-                f"{self._where}: the profile's layers {names} are not the model's layers {self._names}"
-            )
-        params = dict(self.averager.layers)
-        geo = [layer_geometry(params[n]) for n in names]
-        numels, sizes = [g[0] for g in geo], [g[1] for g in geo]
-        return lambda max_bytes: plan_units(profile, numels, sizes, max_bytes)
-
-    def _set_units(self, profile: CostProfile, max_bytes: int, plan: Callable[[int], list[UnitSpec]]) -> None:
-        specs = plan(max_bytes)
-        self.profile, self.split_bytes = profile, max_bytes
-        self.unit_profile = unit_profile(profile, specs)
-        self.averager.set_units(specs)
-
-    def _schedule_crc(self) -> int:
-        s = self.schedule
-        return 0 if s is None else _crc((s.period, s.sets, [u.name for u in self.averager.specs]))
-
-    def _agree(self, what: str, values: list[int], fields: tuple[str, ...] | None = None) -> None:
-        """Raise :class:`CollectiveMismatchError` on every rank unless all ranks passed equal ``values``."""
-        agree(self.group, what, values, fields=fields, where=self._where)
-
-    def _reschedule(self, profile: CostProfile, *, agree: bool = True) -> None:
-        """Units and schedule from ``profile`` (:func:`~lowband.localsgd.units.choose_split`)."""
-        plan = self._planner(profile)
-        c, sched = choose_split(profile, plan, self.period, self.split, self.method)
-        self._set_units(profile, c, plan)
-        sched.validate(self.averager.n)
-        self.schedule = sched
-        if agree:
-            self._agree("the schedule", [self._schedule_crc()])
-
-    def _profile_now(self, loss_fn: LossFn) -> None:
-        """Profile on this batch with the per-layer updates on (their time is part of each layer's
-        backward), averaging nothing; then put the parameters and the optimizer state back (a transient
-        copy of both, at the first step only)."""
-        assert isinstance(self.optimizer, LayerwiseOptimizer)
-        params = [p for _, ps in self.averager.layers for p in ps]
-        saved = [p.detach().clone() for p in params]
-        opt_state = copy.deepcopy(self.optimizer.state_dict())
-        self.averager.begin(self.steps, ())
-        t0 = time.perf_counter()
-        try:
-            prof = profile_model(self.local_module, loss_fn, group=self.group)
-        finally:
-            with torch.no_grad():
-                for p, old in zip(params, saved):
-                    p.copy_(old)
-            self.optimizer.load_state_dict(opt_state)
-        self._reschedule(prof)
-        self.profile_seconds = time.perf_counter() - t0
-
-    def predicted_step_time(self) -> float | None:
-        """The schedule's predicted mean iteration time in seconds (None before the schedule exists)."""
-        s = self.schedule
-        return None if s is None else s.predicted_period / s.period
 
     # -- training ---------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor) -> None:
@@ -281,25 +208,6 @@ class PartialSyncStrategy(Strategy):
             gamma = model_divergence([ps for _, ps in self.averager.layers], group=self.averager.group)
             self.divergence_log.append((self.steps, gamma))
         return loss
-
-    def _check_drift(self) -> None:
-        """At a period boundary: agree on the achieved seconds per byte; re-fit and re-schedule on drift."""
-        assert self.profile is not None
-        self.synchronize()
-        samples = self.averager.take_comm_samples()
-        local = torch.tensor(
-            [sum(t for _, t in samples), float(sum(nb for nb, _ in samples))], dtype=torch.float64
-        )
-        tot_s, tot_b = allreduce(local, "sum", group=self.averager.group).tolist()
-        if tot_b <= 0 or tot_s <= 0:
-            return
-        spb = tot_s / tot_b
-        if self._baseline is None:
-            self._baseline = spb
-        elif abs(spb / self._baseline - 1.0) > self.reprofile_drift:
-            self._reschedule(refit_comm(self.profile, self.group))
-            self.reschedules += 1
-            self._baseline = None
 
     def synchronize(self) -> None:
         """Wait for every in-flight averaging."""
@@ -394,7 +302,7 @@ class PartialSyncStrategy(Strategy):
         self.reschedules = int(state.get("reschedules", 0))
         self._baseline = state.get("baseline")
         self.divergence_log = [(int(s), float(g)) for s, g in state.get("divergence_log", [])]
-        self._agree("the restored schedule", [self._schedule_crc(), self.period])
+        self._agree("the restored schedule", [self._schedulecrc(), self.period])
 
     def close(self) -> None:
         self.averager.detach()

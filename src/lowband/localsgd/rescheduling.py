@@ -1,0 +1,133 @@
+"""The scheduling side of the partial-synchronisation strategies (:mod:`lowband.localsgd.strategy`):
+units and schedule from a profile, lazy profiling on the first batch, re-profiling on bandwidth drift,
+and the cross-rank check of every (re)schedule.
+
+- Units and schedule: :func:`~lowband.localsgd.units.choose_split` picks the chunk limit (``split``) and
+  schedules the units with the strategy's scheduler; the result is checked across ranks
+  (:func:`lowband.comm.agree.agree` on the schedule's hash) so a rank that scheduled differently fails
+  on every rank instead of averaging different units.
+- Lazy profiling: without a profile or a schedule, the first :meth:`train_step` profiles the model on its
+  batch (per-layer updates on, averaging nothing), then puts the parameters and the optimizer state back.
+- Drift: at each period boundary the ranks agree on the achieved seconds per byte (one 2-float
+  allreduce); when it moved by more than ``reprofile_drift`` from the first period after the last
+  (re)schedule, the links are re-measured and the schedule rebuilt, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+
+import torch
+
+from lowband.comm.agree import agree, crc
+from lowband.comm.collectives import allreduce
+from lowband.errors import InvalidArgumentError
+from lowband.localsgd.costmodel import CostProfile
+from lowband.localsgd.profiler import profile_model, refit_comm
+from lowband.localsgd.runtime import LayerAverager
+from lowband.localsgd.schedule import Schedule
+from lowband.localsgd.units import UnitSpec, choose_split, layer_geometry, plan_units, unit_profile
+from lowband.optim.layerwise import LayerwiseOptimizer
+from lowband.strategies.base import LossFn, Strategy
+
+
+class ScheduledStrategy(Strategy):
+    """A strategy whose per-layer averagings follow a schedule built from a cost profile (the state is
+    set up by the subclass's constructor; see the module docstring)."""
+
+    _where: str
+    _names: list[str]
+    averager: LayerAverager
+    period: int
+    method: str
+    split: int | str
+    split_bytes: int
+    profile: CostProfile | None
+    unit_profile: CostProfile | None
+    schedule: Schedule | None
+    reprofile_drift: float
+    reschedules: int
+    profile_seconds: float
+    _baseline: float | None
+
+    def _planner(self, profile: CostProfile) -> Callable[[int], list[UnitSpec]]:
+        """Checks that ``profile`` holds the model's layers; returns ``max_bytes -> units``."""
+        names = [lc.name for lc in profile.layers]
+        if sorted(names) != sorted(self._names):
+            raise InvalidArgumentError(
+                f"{self._where}: the profile's layers {names} are not the model's layers {self._names}"
+            )
+        params = dict(self.averager.layers)
+        geo = [layer_geometry(params[n]) for n in names]
+        numels, sizes = [g[0] for g in geo], [g[1] for g in geo]
+        return lambda max_bytes: plan_units(profile, numels, sizes, max_bytes)
+
+    def _set_units(self, profile: CostProfile, max_bytes: int, plan: Callable[[int], list[UnitSpec]]) -> None:
+        specs = plan(max_bytes)
+        self.profile, self.split_bytes = profile, max_bytes
+        self.unit_profile = unit_profile(profile, specs)
+        self.averager.set_units(specs)
+
+    def _schedulecrc(self) -> int:
+        s = self.schedule
+        return 0 if s is None else crc((s.period, s.sets, [u.name for u in self.averager.specs]))
+
+    def _agree(self, what: str, values: list[int], fields: tuple[str, ...] | None = None) -> None:
+        """Raise :class:`CollectiveMismatchError` on every rank unless all ranks passed equal ``values``."""
+        agree(self.group, what, values, fields=fields, where=self._where)
+
+    def _reschedule(self, profile: CostProfile, *, agree: bool = True) -> None:
+        """Units and schedule from ``profile`` (:func:`~lowband.localsgd.units.choose_split`)."""
+        plan = self._planner(profile)
+        c, sched = choose_split(profile, plan, self.period, self.split, self.method)
+        self._set_units(profile, c, plan)
+        sched.validate(self.averager.n)
+        self.schedule = sched
+        if agree:
+            self._agree("the schedule", [self._schedulecrc()])
+
+    def _profile_now(self, loss_fn: LossFn) -> None:
+        """Profile on this batch with the per-layer updates on (their time is part of each layer's
+        backward), averaging nothing; then put the parameters and the optimizer state back (a transient
+        copy of both, at the first step only)."""
+        assert isinstance(self.optimizer, LayerwiseOptimizer)
+        params = [p for _, ps in self.averager.layers for p in ps]
+        saved = [p.detach().clone() for p in params]
+        opt_state = copy.deepcopy(self.optimizer.state_dict())
+        self.averager.begin(self.steps, ())
+        t0 = time.perf_counter()
+        try:
+            prof = profile_model(self.local_module, loss_fn, group=self.group)
+        finally:
+            with torch.no_grad():
+                for p, old in zip(params, saved):
+                    p.copy_(old)
+            self.optimizer.load_state_dict(opt_state)
+        self._reschedule(prof)
+        self.profile_seconds = time.perf_counter() - t0
+
+    def predicted_step_time(self) -> float | None:
+        """The schedule's predicted mean iteration time in seconds (None before the schedule exists)."""
+        s = self.schedule
+        return None if s is None else s.predicted_period / s.period
+
+    def _check_drift(self) -> None:
+        """At a period boundary: agree on the achieved seconds per byte; re-fit and re-schedule on drift."""
+        assert self.profile is not None
+        self.synchronize()
+        samples = self.averager.take_comm_samples()
+        local = torch.tensor(
+            [sum(t for _, t in samples), float(sum(nb for nb, _ in samples))], dtype=torch.float64
+        )
+        tot_s, tot_b = allreduce(local, "sum", group=self.averager.group).tolist()
+        if tot_b <= 0 or tot_s <= 0:
+            return
+        spb = tot_s / tot_b
+        if self._baseline is None:
+            self._baseline = spb
+        elif abs(spb / self._baseline - 1.0) > self.reprofile_drift:
+            self._reschedule(refit_comm(self.profile, self.group))
+            self.reschedules += 1
+            self._baseline = None
