@@ -2,11 +2,12 @@
 SGD): gradients are averaged over the group, then the inner torch optimizer steps on every rank with
 the same averaged gradient.
 
-A layer's gradients leave as soon as they are complete in backward (post-accumulate-grad hooks, one
-fused nonblocking allreduce per layer, in place on ``.grad``), overlapping the backward of the layers
-before it; :meth:`~GradientAllreduceOptimizer.step` waits for them and steps. Layers that got no
-gradient in a backward are sent when the backward ends (their missing gradients count as zeros), so
-every rank sends every layer once per step, in the same order provided every rank uses the same layers.
+It is the gradient stage (:class:`lowband.optim.GradientStage`) with one unit per layer and the
+:class:`~lowband.optim.AllreduceReducer`: a layer's gradients leave as soon as they are complete in
+backward (one fused nonblocking allreduce per layer, in place on ``.grad``, in backward order),
+overlapping the backward of the layers before it; :meth:`~GradientAllreduceOptimizer.step` waits for
+them and steps. Layers that got no gradient in a backward are sent when the backward ends (their
+missing gradients count as zeros), so every rank sends every layer once per step, in the same order.
 
 ``num_steps_per_communication = J`` accumulates the gradients of J backward passes locally before they
 are sent (BlueFog's ``backward_passes_per_step``): the allreduce starts during the J-th backward; a
@@ -16,17 +17,17 @@ are sent (BlueFog's ``backward_passes_per_step``): the allreduce starts during t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
-import torch
 from torch import nn
 
-from lowband.comm.fusion import igrouped_allreduce
-from lowband.decentral.combine import Pending
-from lowband.decentral.knobs import Knob, check_period
+from lowband.decentral.knobs import check_period
 from lowband.decentral.optim_base import WrapperBase
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.layerwise import OptimizerFactory
+from lowband.optim.reducer import AllreduceReducer, layer_units, parameter_names
+from lowband.optim.stage import GradientStage
 
 
 class GradientAllreduceOptimizer(WrapperBase):
@@ -34,8 +35,6 @@ class GradientAllreduceOptimizer(WrapperBase):
 
     ``loss.backward(); opt.step()``; ``zero_grad()`` is refused while gradients are in flight.
     """
-
-    num_steps_per_communication = Knob(check_period)
 
     def __init__(
         self,
@@ -47,78 +46,56 @@ class GradientAllreduceOptimizer(WrapperBase):
     ) -> None:
         where, layers = self.model_layers("GradientAllreduceOptimizer", model, group)
         self.inner = self.build_inner(where, make_optimizer, layers)
-        super().__init__(model, layers, group)
+        super().__init__(model, layers, group)  # checks the layout on every rank
+        self.stage = GradientStage(
+            layer_units(layers, parameter_names(model)),
+            AllreduceReducer(),
+            group=self.group,
+            check_layout=False,
+            where="GradientAllreduceOptimizer",
+        )
         self.num_steps_per_communication = num_steps_per_communication
-        self._fast = self.group.unchecked()
-        self._layer_of = {id(p): i for i, (_, ps) in enumerate(layers) for p in ps}
-        self._ready = [0] * len(layers)
-        self._sent: set[int] = set()  # layers sent since the last step
-        self._passes = 0  # backward passes since the last step
-        self._in_backward = False
-        for _, ps in layers:
-            for p in ps:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))  # type: ignore[no-untyped-call]
 
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self._in_backward:
-            if self._passes >= self.num_steps_per_communication:
-                raise InvalidArgumentError(
-                    f"{self.where}: more than num_steps_per_communication={self.num_steps_per_communication} "
-                    "backward passes before step()"
-                )
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
-        i = self._layer_of[id(p)]
-        self._ready[i] += 1
-        if self._ready[i] == len(self.layers[i][1]) and self._last_pass():
-            self._send(i)
+    @property
+    def num_steps_per_communication(self) -> int:
+        """J: backward passes accumulated per allreduce (a knob, settable before every step)."""
+        return self.stage.accumulate
 
-    def _last_pass(self) -> bool:
-        return self._passes + 1 == self.num_steps_per_communication
-
-    def _end_backward(self) -> None:
-        try:
-            if self._last_pass():
-                for i in reversed(range(len(self.layers))):
-                    self._send(i)
-        finally:
-            self._ready = [0] * len(self.layers)
-            self._passes += 1
-            self._in_backward = False
-
-    def _send(self, i: int) -> None:
-        if i in self._sent:
-            return
-        self._sent.add(i)
-        grads = []
-        for p in self.layers[i][1]:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        h = igrouped_allreduce(grads, "average", inplace=True, name=self.layer_name(i), group=self._fast)
-        self._pending[i] = Pending([h], lambda r: list(r[0]))
+    @num_steps_per_communication.setter
+    def num_steps_per_communication(self, value: int) -> None:
+        self.stage.accumulate = check_period(self, "num_steps_per_communication", value)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Send the layers not yet sent (in layer order), wait for every average, step the inner optimizer."""
+        """Send the layers not yet sent, wait for every average, step the inner optimizer."""
         if closure is not None:
             raise InvalidArgumentError(f"{self.where}: step(closure) is not supported")
-        for i in range(len(self.layers)):
-            self._send(i)
         self.synchronize()
         self.inner.step()
-        self._sent.clear()
-        self._passes = 0
         self.steps += 1
         return None
 
     def synchronize(self) -> None:
-        """Wait for every gradient average in flight (the gradients are then averaged in place)."""
-        for i in sorted(self._pending):
-            self._pending.pop(i).wait()
+        """Complete the gradient averages (sending what has accumulated; the gradients are then
+        averaged in place)."""
+        self.stage.wait()
+
+    def in_flight(self) -> list[int]:
+        return self.stage.in_flight()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._pending:
+        if self.stage.in_flight():
             raise InvalidArgumentError(
                 f"{self.where}: zero_grad() while gradients are being averaged (after backward, before step)"
             )
         self.inner.zero_grad(set_to_none=set_to_none)
+
+    def remove_hooks(self) -> None:
+        super().remove_hooks()
+        self.stage.remove_hooks()
+
+    def counters(self) -> dict[str, Any]:
+        return {**super().counters(), "rounds": self.stage.rounds}
+
+    def load_counters(self, counters: dict[str, Any]) -> None:
+        super().load_counters(counters)
+        self.stage.rounds = int(counters.get("rounds", self.steps))

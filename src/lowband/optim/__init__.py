@@ -1,5 +1,19 @@
-"""Optimizer plumbing shared by strategies (never re-implemented optimizers: wrappers of torch's)."""
+"""Optimizer plumbing shared by strategies (never re-implemented optimizers: wrappers of torch's) and
+the gradient stage (gradients handed to a reducer from backward hooks)."""
 
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
+from lowband.optim.reducer import (
+    AllreduceReducer,
+    Reducer,
+    ReduceContext,
+    Unit,
+    bucket_units,
+    layer_units,
+    parameter_names,
+)
+from lowband.optim.stage import GradientStage
 
-__all__ = ["LayerwiseOptimizer", "parameter_layers"]
+__all__ = [
+    "AllreduceReducer", "GradientStage", "LayerwiseOptimizer", "ReduceContext", "Reducer", "Unit",
+    "bucket_units", "layer_units", "parameter_layers", "parameter_names",
+]  # fmt: skip

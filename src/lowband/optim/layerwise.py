@@ -18,19 +18,26 @@ of earlier layers still runs; BlueFog's Adapt-Then-Combine starts a layer's neig
   a gradient in a backward (an unused branch) is stepped on what it has when the backward ends (a
   callback queued on the autograd engine, as DDP does), and ``on_layer`` is still called for it, so a
   strategy sees every layer exactly once per backward.
-- Gradient accumulation over several backwards before a step is not supported: every backward steps.
+- The hooks are a :class:`~lowband.optim.stage.GradientStage` with the layers as units. Given a
+  ``reducer`` (e.g. :class:`~lowband.optim.reducer.AllreduceReducer`), a layer's gradients are reduced
+  over ``group`` first and the layer is stepped as soon as its own reduction is complete (in backward
+  order, on the backward's thread). ``accumulate = J`` sums the gradients of J backward passes and
+  steps (after reducing) during the J-th; passes inside :meth:`LayerwiseOptimizer.no_sync` never step.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.reducer import Reducer, layer_units
+from lowband.optim.stage import GradientStage
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LayerCallback = Callable[[int], None]
@@ -66,6 +73,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         make_optimizer: OptimizerFactory,
         *,
         on_layer: LayerCallback | None = None,
+        reducer: Reducer | None = None,
+        group: Group | None = None,
+        accumulate: int = 1,
+        names: dict[nn.Parameter, str] | None = None,
     ) -> None:
         if not layers:
             raise InvalidArgumentError("LayerwiseOptimizer: the model has no trainable parameters")
@@ -84,26 +95,24 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         # param_groups of every inner optimizer, the same dict objects (LR schedulers edit them)
         self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
         self.defaults = dict(self.optimizers[0].defaults)
-        self._layer_of = {id(p): i for i, (_, ps) in enumerate(self.layers) for p in ps}
-        self._ready = [0] * len(self.layers)
-        self._stepped = [False] * len(self.layers)
-        self._in_backward = False
-        # The hooks hold the optimizer weakly: a tensor hook that referenced it strongly would make a
-        # cycle (parameter -> hook -> optimizer -> parameter) that Python's collector cannot see
-        # through, keeping the optimizer and the process groups of whatever uses it alive forever.
-        ref = weakref.ref(self)
+        #: the backward hooks: layer i's gradients (reduced, with a reducer) -> _step_layer(i)
+        self.stage = GradientStage(
+            layer_units(self.layers, names),
+            reducer,
+            group=group,
+            accumulate=accumulate,
+            on_reduced=self._step_layer,
+            where="LayerwiseOptimizer",
+        )
 
-        def hook(p: torch.Tensor) -> None:
-            me = ref()
-            if me is not None:
-                me._on_grad(p)
+    @property
+    def enabled(self) -> bool:
+        """Whether the backward hooks step layers (when off, :meth:`step` steps what has gradients)."""
+        return self.stage.enabled
 
-        self._handles = [
-            p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
-            for _, ps in self.layers
-            for p in ps
-        ]
-        self.enabled = True
+    @enabled.setter
+    def enabled(self, on: bool) -> None:
+        self.stage.enabled = on
 
     # torch.optim.Optimizer's own __init__ is not called (as torch's PostLocalSGDOptimizer does): the
     # state lives in the inner optimizers.
@@ -118,43 +127,21 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         inner = type(self.optimizers[0]).__name__
         return f"LayerwiseOptimizer({len(self.layers)} layers of {inner})"
 
-    # -- backward hooks ---------------------------------------------------------------------------
-    def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.enabled:
-            return
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
-        i = self._layer_of[id(p)]
-        self._ready[i] += 1
-        if self._ready[i] == len(self.layers[i][1]):
-            self._step_layer(i)
-
+    # -- per-layer stepping ----------------------------------------------------------------------
     def _step_layer(self, i: int) -> None:
         opt = self.optimizers[i]
         opt.step()
         opt.zero_grad(set_to_none=True)
-        self._stepped[i] = True
         if self.on_layer is not None:
             self.on_layer(i)
 
-    def _end_backward(self) -> None:
-        """Runs once when the backward finishes: step the layers that got only some gradients (or none),
-        in reverse registration order (the order a backward would have reached them)."""
-        try:
-            for i in reversed(range(len(self.layers))):
-                if not self._stepped[i]:
-                    self._step_layer(i)
-        finally:
-            self._ready = [0] * len(self.layers)
-            self._stepped = [False] * len(self.layers)
-            self._in_backward = False
-
     # -- the Optimizer interface ------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Step every layer that still holds gradients (after a hooked backward: none)."""
+        """Step every layer that still holds gradients (after a hooked backward: none; after fewer than
+        ``accumulate`` passes: the accumulated gradients, reduced first)."""
         if closure is not None:
             raise InvalidArgumentError("LayerwiseOptimizer.step: closures are not supported")
+        self.stage.wait()
         for _, opt in enumerate(self.optimizers):
             if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
                 opt.step()
@@ -166,7 +153,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": [opt.state_dict() for opt in self.optimizers]}
+        state: dict[str, Any] = {"layers": [opt.state_dict() for opt in self.optimizers]}
+        if self.stage.reducer is not None:
+            state["stage"] = self.stage.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         states = state_dict.get("layers") if isinstance(state_dict, dict) else None
@@ -177,12 +167,18 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             )
         for opt, st in zip(self.optimizers, states):
             opt.load_state_dict(st)
+        if "stage" in state_dict:
+            self.stage.load_state_dict(state_dict["stage"])
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise InvalidArgumentError("LayerwiseOptimizer.add_param_group: layers are fixed at construction")
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (no reduction, no step)."""
+        with self.stage.no_sync():
+            yield
+
     def remove_hooks(self) -> None:
         """Detach from the model (the inner optimizers stay usable)."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self.stage.remove_hooks()

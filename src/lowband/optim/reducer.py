@@ -1,0 +1,136 @@
+"""Reducers and the units they reduce: what the gradient stage hands over, and what comes back.
+
+A *unit* is a set of parameters whose gradients are reduced together: a layer (a module owning
+parameters) or a fused bucket of parameters (about ``bucket_mb`` megabytes, in backward order, as DDP
+fuses them). A unit carries the names of its parameters (``model.named_parameters()``), so state a
+reducer keeps per gradient (error-feedback memory, warm-start factors) can be keyed by parameter name:
+it survives a new bucketing, a restart and a different unit layout. Its :attr:`Unit.key` names the unit
+in traces and errors; it is derived from the names, never from a bucket index.
+
+A :class:`Reducer` gets one unit's gradients (in the unit's order) with a :class:`ReduceContext` (the
+group and the step counter, a seed for randomised compressors) and returns a
+:class:`~lowband.comm.handle.Handle` whose result is the reduced gradients, same shapes and order (it
+may reduce in place and return the same tensors). Reducers holding state implement ``state_dict`` /
+``load_state_dict``. :class:`AllreduceReducer` is the plain one: an average by one fused allreduce.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowband.comm.fusion import igrouped_allreduce
+from lowband.comm.handle import Handle
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class Unit:
+    """Parameters whose gradients are reduced together; ``names[k]`` is the name of ``params[k]``."""
+
+    key: str
+    names: tuple[str, ...]
+    params: tuple[nn.Parameter, ...]
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+
+@dataclass(frozen=True)
+class ReduceContext:
+    """What a reducer is told besides the gradients: the group to reduce over (its layout was checked
+    when the stage was built; per-op checks are off) and ``step``, the number of reductions the stage
+    completed before this one (the same on every rank: a seed for random projections or sketches)."""
+
+    group: Group
+    step: int
+
+
+class Reducer(abc.ABC):
+    """Reduces one unit's gradients over a group; see the module docstring."""
+
+    @abc.abstractmethod
+    def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
+        """Start reducing ``grads`` (the gradients of ``unit.params``, in order); never blocks."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """State needed to resume (keyed by parameter name); none by default."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of :meth:`state_dict`."""
+        if state:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.load_state_dict: this reducer holds no state, got keys {sorted(state)}"
+            )
+
+
+class AllreduceReducer(Reducer):
+    """The average over the group, in place, in one fused allreduce per unit."""
+
+    def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
+        one_buffer = sum(g.numel() * g.element_size() for g in grads) + 1
+        return igrouped_allreduce(
+            grads, "average", inplace=True, name=unit.key, group=ctx.group, fusion_threshold=one_buffer
+        )
+
+    def __repr__(self) -> str:
+        return "AllreduceReducer()"
+
+
+def parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Every parameter of ``model`` with its name (the first, for a shared parameter)."""
+    return {p: n for n, p in model.named_parameters()}
+
+
+def _key(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def layer_units(
+    layers: Sequence[tuple[str, Sequence[nn.Parameter]]], names: dict[nn.Parameter, str] | None = None
+) -> list[Unit]:
+    """One unit per layer, keyed by the layer's name; parameter names from ``names`` (default
+    ``"layer.k"``)."""
+    out = []
+    for lname, ps in layers:
+        pn = tuple(names[p] if names is not None and p in names else f"{lname}.{k}" for k, p in enumerate(ps))
+        out.append(Unit(lname, pn, tuple(ps)))
+    return out
+
+
+def bucket_units(model: nn.Module, bucket_mb: float, first_bucket_mb: float = 1.0) -> list[Unit]:
+    """The model's trainable parameters fused into buckets in backward order (reverse registration),
+    the first of at most ``first_bucket_mb`` megabytes (so communication starts early), the others of
+    at most ``bucket_mb`` (a larger parameter is a bucket alone), as DDP does. Returned in forward order
+    (the last bucket is the first one ready in backward)."""
+    for what, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise InvalidArgumentError(f"bucket_units: {what} must be a number > 0, got {v!r}")
+    names = parameter_names(model)
+    params = [p for p in names if p.requires_grad]  # registration order, shared ones once
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in reversed(params):
+        cap = (first_bucket_mb if len(buckets) == 1 else bucket_mb) * 2**20
+        nb = p.numel() * p.element_size()
+        if buckets and size + nb <= cap and buckets[-1][-1].dtype == p.dtype:
+            buckets[-1].append(p)
+            size += nb
+        else:
+            buckets.append([p])
+            size = nb
+    units = []
+    for b in reversed(buckets):
+        b = b[::-1]  # parameters in forward order inside a bucket
+        pn = tuple(names[p] for p in b)
+        units.append(Unit(_key(pn), pn, tuple(b)))
+    return units

@@ -1,0 +1,320 @@
+"""The gradient stage: each unit's gradients handed to a reducer the moment they are complete in
+backward, before any optimizer step.
+
+A :class:`GradientStage` watches a model's parameters with ``register_post_accumulate_grad_hook``.
+When every parameter of a unit (a layer or a fused bucket, :mod:`lowband.optim.reducer`) has its
+gradient, the unit's gradients go to the reducer, which returns a handle; the reduction overlaps the
+backward of the units before it. Whoever steps then waits only for what it steps:
+
+- whole-model stepping: :meth:`GradientStage.wait` completes every unit (the reduced gradients are in
+  ``.grad``), then the wrapped torch optimizer steps (:class:`~lowband.decentral.gradient_allreduce.
+  GradientAllreduceOptimizer`, the ``stage`` strategy);
+- per-layer stepping: ``on_reduced(i)`` runs for each unit, on the thread running the backward, as
+  soon as its reduction is complete (polled at every later gradient hook, the rest waited when the
+  backward ends): :class:`~lowband.optim.LayerwiseOptimizer` steps layer ``i`` there. Without a
+  reducer (local stepping) a unit is reported the moment its gradients are complete.
+
+Collective order. With a reducer, units are launched in one fixed order on every rank (backward
+order: the last unit first), a unit only after the ones before it, as DDP does with its buckets, so
+data-dependent completion orders never mismatch the collectives; ``on_reduced`` is called in that
+order too. Units whose parameters got no gradient are launched when the backward ends, their missing
+gradients as zeros. Communicate in ``on_reduced`` on another group than the reducer's: its timing
+relative to the reducer's launches is not the same on every rank.
+
+Accumulation. With ``accumulate = J`` the gradients of J backward passes are summed locally (in
+``.grad``, as torch does) and reduced during the J-th backward; passes inside :meth:`no_sync` are
+never reduced and do not count. :meth:`wait` after fewer passes reduces what has accumulated.
+"""
+
+from __future__ import annotations
+
+import weakref
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from lowband.comm.collectives import allgather
+from lowband.comm.handle import Handle
+from lowband.errors import CollectiveMismatchError, InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.reducer import ReduceContext, Reducer, Unit
+from lowband.runtime import world_group
+
+Tensor = torch.Tensor
+UnitCallback = Callable[[int], None]
+
+
+def check_accumulate(where: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{where}: accumulate must be an int >= 1, got {value!r}")
+    return value
+
+
+def _layout(units: Sequence[Unit]) -> Tensor:
+    desc = repr([[(tuple(p.shape), str(p.dtype)) for p in u.params] for u in units])
+    numel = sum(p.numel() for u in units for p in u.params)
+    return torch.tensor([[len(units), numel, zlib.crc32(desc.encode())]], dtype=torch.int64)
+
+
+class GradientStage:
+    """Hands each unit's gradients to ``reducer`` from backward hooks; see the module docstring.
+
+    ``units`` are in forward (registration) order; unit ``i`` is what ``on_reduced(i)`` and
+    :meth:`in_flight` refer to. ``reducer=None`` reduces nothing (local stepping). ``check_layout``
+    (default True) allgathers the units' layout once, then the reducer runs on ``group.unchecked()``.
+    """
+
+    def __init__(
+        self,
+        units: Sequence[Unit],
+        reducer: Reducer | None,
+        *,
+        group: Group | None = None,
+        accumulate: int = 1,
+        on_reduced: UnitCallback | None = None,
+        check_layout: bool = True,
+        where: str = "GradientStage",
+    ) -> None:
+        self.where = where
+        if not units or any(not u.params for u in units):
+            raise InvalidArgumentError(f"{where}: needs at least one unit, each with parameters")
+        ids = [id(p) for u in units for p in u.params]
+        if len(ids) != len(set(ids)):
+            raise InvalidArgumentError(f"{where}: a parameter appears in more than one unit")
+        if reducer is not None and not isinstance(reducer, Reducer):
+            raise InvalidArgumentError(
+                f"{where}: reducer must be a lowband.optim.Reducer, got {type(reducer).__name__}"
+            )
+        self.units = list(units)
+        self.reducer = reducer
+        self.group: Group | None = None
+        if reducer is not None:
+            ctx, g = world_group(group, where)
+            self.where = where = f"lowband.{where} on rank {ctx.rank}"
+            self.group = g
+            if check_layout:
+                self._check_layout(g)
+            self._fast = g.unchecked()
+        self.accumulate = check_accumulate(where, accumulate)
+        self.on_reduced = on_reduced
+        #: reductions completed (the ``step`` a reducer is given)
+        self.rounds = 0
+        self.enabled = True
+        n = len(self.units)
+        self._unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
+        self._order = list(reversed(range(n)))  # launch order: backward order
+        self._ready = [0] * n
+        self._launched = [False] * n
+        self._next = 0  # position in _order of the next unit to launch (with a reducer)
+        self._handles: dict[int, tuple[Handle[list[Tensor]], list[Tensor]]] = {}
+        self._reported = [False] * n
+        self._open = False  # a reduction has started and is not complete
+        self._passes = 0  # backward passes accumulated since the last reduction
+        self._no_sync = 0
+        self._in_backward = False
+        self._reducing = False  # the current backward reduces
+        # The hooks hold the stage weakly: a strong reference would make a cycle through the
+        # parameters' hooks that Python's collector cannot see (see LayerwiseOptimizer).
+        ref = weakref.ref(self)
+
+        def hook(p: Tensor) -> None:
+            me = ref()
+            if me is not None:
+                me._on_grad(p)
+
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+            for u in self.units
+            for p in u.params
+        ]
+
+    def _check_layout(self, g: Group) -> None:
+        if g.size == 1:
+            return
+        table = allgather(_layout(self.units), name="gradient-stage-layout", group=g)
+        differ = [r for r in range(g.size) if not torch.equal(table[r], table[0])]
+        if differ:
+            raise CollectiveMismatchError(
+                f"{self.where}: ranks {differ} of group {g.name!r} have other gradient units than rank 0 "
+                f"(units, elements, shape hash: {table[0].tolist()} on rank 0, {table[differ[0]].tolist()} "
+                f"on rank {differ[0]})"
+            )
+
+    def __repr__(self) -> str:
+        return f"GradientStage({len(self.units)} units, {self.reducer!r}, accumulate={self.accumulate})"
+
+    # -- backward hooks ---------------------------------------------------------------------------
+    def _on_grad(self, p: Tensor) -> None:
+        if not self.enabled:
+            return
+        if not self._in_backward:
+            self._begin_backward()
+        i = self._unit_of[id(p)]
+        self._ready[i] += 1
+        if not self._reducing or self._ready[i] != len(self.units[i].params):
+            return
+        if self.reducer is None:
+            self._launch(i)
+            self._report(i)
+            return
+        while self._next < len(self._order) and self._complete(self._order[self._next]):
+            self._launch(self._order[self._next])
+            self._next += 1
+        if self.on_reduced is not None:
+            self._report_done(block=False)
+
+    def _complete(self, i: int) -> bool:
+        return self._ready[i] == len(self.units[i].params)
+
+    def _begin_backward(self) -> None:
+        if self._open:
+            raise InvalidArgumentError(
+                f"{self.where}: a backward pass while the previous gradient reduction is not complete "
+                "(step() or wait() first)"
+            )
+        self._in_backward = True
+        self._reducing = self._no_sync == 0 and self._passes + 1 >= self.accumulate
+        if self._reducing:
+            self._new_round()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)  # type: ignore[attr-defined]
+
+    def _end_backward(self) -> None:
+        """Runs once when the backward finishes: launch (and, with ``on_reduced``, complete) the units
+        that did not get all their gradients."""
+        try:
+            if self._reducing:
+                self._launch_rest()
+                if self.on_reduced is not None:
+                    self._report_done(block=True)
+            elif self._no_sync == 0:
+                self._passes += 1
+        finally:
+            self._ready = [0] * len(self.units)
+            self._in_backward = False
+
+    # -- launching and completing -----------------------------------------------------------------
+    def _launch(self, i: int) -> None:
+        self._open = True
+        self._launched[i] = True
+        if self.reducer is None:
+            return
+        unit = self.units[i]
+        grads = []
+        for p in unit.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        h = self.reducer.reduce(unit, grads, ReduceContext(self._fast, self.rounds))
+        self._handles[i] = (h, grads)
+
+    def _launch_rest(self) -> None:
+        if self.reducer is None:
+            for i in self._order:
+                if not self._launched[i]:
+                    self._launch(i)
+                    self._report(i)
+            return
+        while self._next < len(self._order):
+            self._launch(self._order[self._next])
+            self._next += 1
+
+    def _finish(self, i: int) -> None:
+        h, grads = self._handles.pop(i)
+        out = h.wait()
+        if len(out) != len(grads):
+            raise InvalidArgumentError(
+                f"{self.where}: the reducer returned {len(out)} tensors for unit {self.units[i].key!r} of "
+                f"{len(grads)} gradients"
+            )
+        for g, r in zip(grads, out):
+            if r is not g:
+                g.copy_(r)
+
+    def _report(self, i: int) -> None:
+        self._reported[i] = True
+        if self.on_reduced is not None:
+            self.on_reduced(i)
+        if all(self._reported):
+            self._end_round()
+
+    def _report_done(self, *, block: bool) -> None:
+        """Complete and report launched units in launch order: those already done, or all (block)."""
+        for i in self._order[: self._next]:
+            if self._reported[i]:
+                continue
+            if not block and not self._handles[i][0].done():
+                return
+            self._finish(i)
+            self._report(i)
+
+    def _new_round(self) -> None:
+        self._next = 0
+        self._launched = [False] * len(self.units)
+        self._reported = [False] * len(self.units)
+
+    def _end_round(self) -> None:
+        # the flags stay as they are (all launched and reported) until the next round begins
+        self.rounds += 1
+        self._passes = 0
+        self._open = False
+
+    # -- what the stepping side calls ------------------------------------------------------------
+    def pending(self) -> bool:
+        """True while gradients wait to be reduced or stepped: a reduction in flight, or backward
+        passes accumulated and not reduced yet."""
+        return self._open or self._passes > 0
+
+    def wait(self) -> None:
+        """Complete the current reduction: launch the units not launched yet (after fewer than
+        ``accumulate`` passes: what has accumulated), wait for every unit in launch order, write the
+        results into ``.grad`` and report the units not reported yet. Nothing happens when no backward
+        pass ran since the last reduction."""
+        if self._in_backward:
+            raise InvalidArgumentError(f"{self.where}: wait() inside a backward pass")
+        if not self.pending():
+            return
+        if not self._open:  # passes accumulated, nothing launched yet
+            self._new_round()
+            self._open = True
+        self._launch_rest()
+        if self.reducer is not None:
+            self._report_done(block=True)
+
+    def in_flight(self) -> list[int]:
+        """Units whose reduction is launched and not waited yet."""
+        return sorted(self._handles)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally and are not reduced (DDP's ``no_sync``)."""
+        self._no_sync += 1
+        try:
+            yield
+        finally:
+            self._no_sync -= 1
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The reduction counter and the reducer's state (complete the reduction first)."""
+        return {"rounds": self.rounds, "reducer": {} if self.reducer is None else self.reducer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or "rounds" not in state or "reducer" not in state:
+            raise InvalidArgumentError(
+                f"{self.where}: load_state_dict expects a dict with 'rounds' and 'reducer', got "
+                f"{sorted(state) if isinstance(state, dict) else type(state).__name__}"
+            )
+        if self.pending():
+            raise InvalidArgumentError(f"{self.where}: load_state_dict while gradients are pending")
+        self.rounds = int(state["rounds"])
+        if self.reducer is not None:
+            self.reducer.load_state_dict(dict(state["reducer"]))
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
