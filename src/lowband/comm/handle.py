@@ -186,6 +186,39 @@ class Handle(Generic[T]):
             timeout=self._timeout,
         )
 
+        def run() -> None:
+            if self._error is not None:
+                child._fail(self._error)
+                return
+            try:
+                child._complete(None)
+            except BaseException:
+                pass
+
+        self._when_complete(run)
+        return child
+
+    def future(self) -> torch.futures.Future[T]:
+        """A torch Future completed with this op's result (or its error, as the lowband exception), on
+        torch's callback thread, without anyone calling ``wait()``: the bridge to code built on torch
+        futures (DDP comm hooks, ``torch.futures.collect_all``)."""
+        fut: torch.futures.Future[T] = torch.futures.Future()
+
+        def settle() -> None:
+            try:
+                value = self._complete(None)
+            except BaseException as exc:
+                fut.set_exception(exc)
+                return
+            fut.set_result(value)
+
+        self._when_complete(settle)
+        return fut
+
+    def _when_complete(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the works are complete (their waits then return at once) or failed
+        (``self._error`` set), on torch's callback thread or a watcher thread, or now if already so."""
+
         def run(fut: Any = None) -> None:
             # Runs on torch's callback thread once the works' futures are complete. Calling
             # ``Work.wait`` from here can deadlock, so take the future's outcome instead.
@@ -197,19 +230,15 @@ class Handle(Generic[T]):
                         if hasattr(f, "value"):
                             f.value()
                 except Exception as exc:
-                    child._fail(
-                        self._fail(CommFailedError(f"{self._where()} failed (a peer may have died): {exc}"))
-                    )
+                    self._fail(CommFailedError(f"{self._where()} failed (a peer may have died): {exc}"))
+                    callback()
                     return
                 self._w.done = True
-            try:
-                child._complete(None)
-            except BaseException:
-                pass
+            callback()
 
         if not self._works or self._result is not _UNSET or self._error is not None:
             run()
-            return child
+            return
         fut = _future_of(self._works)
         if fut is not None:
             fut.then(run)
@@ -219,12 +248,10 @@ class Handle(Generic[T]):
                 try:
                     self._wait_works(self._timeout)
                 except LowbandError as exc:
-                    child._fail(self._fail(exc))
-                    return
+                    self._fail(exc)
                 run()
 
             threading.Thread(target=watch, name=f"lowband-then-{self.op}", daemon=True).start()
-        return child
 
     def map(self, fn: Callable[[T], U]) -> Handle[U]:
         """A handle over the same communication whose result is ``fn(result)``, computed by the thread

@@ -38,7 +38,7 @@ class Unit:
 
     key: str
     names: tuple[str, ...]
-    params: tuple[nn.Parameter, ...]
+    params: tuple[Tensor, ...]
 
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)

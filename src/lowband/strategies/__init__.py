@@ -9,6 +9,7 @@ from lowband.decentral import strategies as _decentral  # noqa: F401  (registers
 from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers "dreamddp", "plsgd-enp", "flsgd-overlap")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
 from lowband.strategies import localsgd as _localsgd  # noqa: F401  (registers "localsgd")
+from lowband.strategies import stage as _stage  # noqa: F401  (registers "stage")
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.ddp import DDPStrategy, PowerSGDStrategy
 from lowband.strategies.localsgd import LocalSGDStrategy

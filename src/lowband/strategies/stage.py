@@ -1,0 +1,86 @@
+"""Synchronous data parallelism through lowband's gradient stage: the plain allreduce reducer on fused
+buckets (about ``bucket_mb`` megabytes, in backward order, launched as each bucket is ready, as DDP
+does), or per layer (``bucket_mb=0``). The baseline every reducer of the stage (compression,
+sketches) is measured against, next to torch DDP: ``lowband bench -s "ddp+stage"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lowband.comm.collectives import broadcast
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.reducer import AllreduceReducer, Reducer, bucket_units, layer_units, parameter_names
+from lowband.optim.layerwise import parameter_layers
+from lowband.optim.stage import GradientStage
+from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.registry import register_strategy
+
+
+class StageStrategy(Strategy):
+    """A reducer on the gradient stage, then the torch optimizer on the whole model."""
+
+    name = "stage"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        group: Group,
+        reducer: Reducer,
+        *,
+        bucket_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+    ) -> None:
+        where = type(self).__name__
+        for what, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise InvalidArgumentError(f"{where}: {what} must be a number >= 0, got {v!r}")
+        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
+        # start every replica from rank 0's parameters and buffers, as DDP does
+        for t in model.state_dict().values():
+            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        if self.bucket_mb == 0:
+            units = layer_units(parameter_layers(model), parameter_names(model))
+        else:
+            units = bucket_units(model, self.bucket_mb, self.first_bucket_mb or self.bucket_mb)
+        self.stage = GradientStage(units, reducer, group=group, where=where)
+        super().__init__(model, make_optimizer(model.parameters()), group)
+
+    def step(self) -> None:
+        self.stage.wait()
+        self.optimizer.step()
+
+    def synchronize(self) -> None:
+        self.stage.wait()
+
+    def hparams(self) -> dict[str, Any]:
+        return {"bucket_mb": self.bucket_mb}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"stage": self.stage.state_dict()}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        if "stage" not in state:
+            raise InvalidArgumentError(f"{type(self).__name__}.load_state_dict: checkpoint has no stage state")
+        self.stage.load_state_dict(state["stage"])
+
+    def close(self) -> None:
+        self.stage.remove_hooks()
+
+
+@register_strategy("stage", "S-SGD: the allreduce reducer on lowband's gradient stage (buckets, from hooks)")
+def allreduce_stage(
+    model: nn.Module,
+    make_optimizer: OptimizerFactory,
+    group: Group,
+    *,
+    bucket_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> StageStrategy:
+    return StageStrategy(
+        model, make_optimizer, group, AllreduceReducer(), bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
+    )
