@@ -117,7 +117,7 @@ def test_future_carries_the_error() -> None:
     h: Handle[torch.Tensor] = Handle([], boom, op="allreduce", name="x", rank=0, timeout=1.0)
     fut = h.future()
     assert fut.done()
-    with pytest.raises(CommFailedError, match="lowband.allreduce 'x' on rank 0 failed: unpacking failed"):
+    with pytest.raises(CommFailedError, match=r"lowband\.allreduce 'x' on rank 0 failed: unpacking failed"):
         fut.wait()
     with pytest.raises(CommFailedError):
         h.then(lambda x: x).future().wait()

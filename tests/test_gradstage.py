@@ -226,7 +226,7 @@ def _misuse() -> None:
         GradientStage(layer_units(parameter_layers(m)), None, accumulate=0)
     with pytest.raises(InvalidArgumentError, match="more than one unit"):
         GradientStage(layer_units(parameter_layers(m)) * 2, None)
-    with pytest.raises(InvalidArgumentError, match="reducer must be a lowband.optim.Reducer"):
+    with pytest.raises(InvalidArgumentError, match=r"reducer must be a lowband\.optim\.Reducer"):
         GradientStage(layer_units(parameter_layers(m)), object())  # type: ignore[arg-type]
 
 

@@ -208,7 +208,7 @@ class Handle(Generic[T]):
             try:
                 value = self._complete(None)
             except BaseException as exc:
-                fut.set_exception(exc)
+                fut.set_exception(exc)  # type: ignore[arg-type]  # (torch's stub types it as the result)
                 return
             fut.set_result(value)
 

@@ -5,8 +5,8 @@ from lowband.optim.ddp_hook import DDPHookState, ddp_comm_hook
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
 from lowband.optim.reducer import (
     AllreduceReducer,
-    Reducer,
     ReduceContext,
+    Reducer,
     Unit,
     bucket_units,
     layer_units,

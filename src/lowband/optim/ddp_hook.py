@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.optim.reducer import Reducer, ReduceContext, Unit, parameter_names
+from lowband.optim.reducer import ReduceContext, Reducer, Unit, parameter_names
 from lowband.runtime import world_group
 
 Tensor = torch.Tensor
@@ -41,16 +41,20 @@ class DDPHookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "step" not in state or "reducer" not in state:
-            raise InvalidArgumentError("DDPHookState.load_state_dict: expects a dict with 'step' and 'reducer'")
+            raise InvalidArgumentError(
+                "DDPHookState.load_state_dict: expects a dict with 'step' and 'reducer'"
+            )
         self.step = int(state["step"])
         self.reducer.load_state_dict(dict(state["reducer"]))
 
 
-def reducer_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+def reducer_hook(state: DDPHookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     """The DDP comm hook running ``state.reducer`` on one bucket."""
     buf = bucket.buffer()
     params = bucket.parameters()
-    grads, names, pos = [], [], 0
+    grads: list[Tensor] = []
+    names: list[str] = []
+    pos = 0
     for p in params:
         n = p.numel()
         grads.append(buf[pos : pos + n].view(p.shape))
@@ -64,7 +68,7 @@ def reducer_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.
 
     def flat(out: list[Tensor]) -> Tensor:
         if len(out) == len(grads) and all(o is g for o, g in zip(out, grads)):
-            return buf
+            return buf  # reduced in place, in the bucket's own buffer
         return torch.cat([o.reshape(-1) for o in out])
 
     return h.then(flat).future()
@@ -74,14 +78,14 @@ def reducer_hook(state: DDPHookState, bucket: dist.GradBucket) -> torch.futures.
 # would fail that check, so the evaluated ones are set here.
 reducer_hook.__annotations__ = {
     "state": DDPHookState,
-    "bucket": dist.GradBucket,
+    "bucket": GradBucket,
     "return": torch.futures.Future[torch.Tensor],
 }
 
 
 def ddp_comm_hook(
     reducer: Reducer, model: nn.Module, group: Group | None = None
-) -> tuple[DDPHookState, Callable[[DDPHookState, dist.GradBucket], torch.futures.Future[Tensor]]]:
+) -> tuple[DDPHookState, Callable[[DDPHookState, GradBucket], torch.futures.Future[Tensor]]]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``: ``reducer`` reduces every
     bucket of the DDP model wrapping ``model`` over ``group`` (default: the world; it must be the
     process group DDP was given). DDP checks the model's layout across ranks at construction, so the

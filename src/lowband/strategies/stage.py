@@ -13,8 +13,8 @@ from torch import nn
 from lowband.comm.collectives import broadcast
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.optim.reducer import AllreduceReducer, Reducer, bucket_units, layer_units, parameter_names
 from lowband.optim.layerwise import parameter_layers
+from lowband.optim.reducer import AllreduceReducer, Reducer, bucket_units, layer_units, parameter_names
 from lowband.optim.stage import GradientStage
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
@@ -65,7 +65,9 @@ class StageStrategy(Strategy):
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         if "stage" not in state:
-            raise InvalidArgumentError(f"{type(self).__name__}.load_state_dict: checkpoint has no stage state")
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.load_state_dict: checkpoint has no stage state"
+            )
         self.stage.load_state_dict(state["stage"])
 
     def close(self) -> None:
