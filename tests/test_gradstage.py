@@ -180,17 +180,17 @@ def test_reducer_gets_names_in_backward_order_and_steps() -> None:
     m = _model()
     units = bucket_units(m, 1.0, 150e-6)
     assert [u.names for u in units] == [("a.weight", "a.bias", "side.weight", "side.bias", "unused.weight",
-                                         "unused.bias", "b.weight"), ("b.bias", "c.weight", "c.bias")]  # fmt: skip
+                                         "unused.bias"), ("b.weight", "b.bias", "c.weight", "c.bias")]  # fmt: skip
     want = [(u.key, u.names, k) for k in range(2) for u in reversed(units)]
     assert calls[0] == want
-    assert units[1].key == "b.bias..c.bias"
+    assert units[1].key == "b.weight..c.bias"
 
 
 def test_bucket_plan_is_ddp_like() -> None:
     big = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256), nn.Linear(256, 8))  # 257 KiB per layer
     units = bucket_units(big, 0.6, 0.1)
-    # backward order: the last layer alone in the small first bucket, then ~0.6 MB buckets
-    assert [u.names for u in units] == [("0.weight", "0.bias", "1.weight"), ("1.bias", "2.weight", "2.bias")]
+    # backward order: the first bucket closes at >= 0.1 MB (so it takes 1.weight), the next at >= 0.6 MB
+    assert [u.names for u in units] == [("0.weight", "0.bias"), ("1.weight", "1.bias", "2.weight", "2.bias")]
     with pytest.raises(InvalidArgumentError, match="bucket_mb must be a number > 0"):
         bucket_units(big, 0, 1)
 

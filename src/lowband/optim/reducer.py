@@ -109,27 +109,28 @@ def layer_units(
 
 def bucket_units(model: nn.Module, bucket_mb: float, first_bucket_mb: float = 1.0) -> list[Unit]:
     """The model's trainable parameters fused into buckets in backward order (reverse registration),
-    the first of at most ``first_bucket_mb`` megabytes (so communication starts early), the others of
-    at most ``bucket_mb`` (a larger parameter is a bucket alone), as DDP does. Returned in forward order
-    (the last bucket is the first one ready in backward)."""
+    as DDP fuses them: parameters join the open bucket (one dtype per bucket) until it holds at least
+    ``first_bucket_mb`` megabytes for the first bucket (so communication starts early), ``bucket_mb``
+    for the others, and then it closes (a parameter larger than the cap closes the bucket it joins).
+    Returned in forward order (the last bucket is the first one ready in backward)."""
     for what, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
             raise InvalidArgumentError(f"bucket_units: {what} must be a number > 0, got {v!r}")
     names = parameter_names(model)
     params = [p for p in names if p.requires_grad]  # registration order, shared ones once
-    buckets: list[list[nn.Parameter]] = []
+    buckets: list[list[nn.Parameter]] = [[]]
     size = 0
     for p in reversed(params):
-        cap = (first_bucket_mb if len(buckets) == 1 else bucket_mb) * 2**20
-        nb = p.numel() * p.element_size()
-        if buckets and size + nb <= cap and buckets[-1][-1].dtype == p.dtype:
-            buckets[-1].append(p)
-            size += nb
-        else:
-            buckets.append([p])
-            size = nb
+        if buckets[-1] and buckets[-1][-1].dtype != p.dtype:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+        if size >= (first_bucket_mb if len(buckets) == 1 else bucket_mb) * 2**20:
+            buckets.append([])
+            size = 0
     units = []
-    for b in reversed(buckets):
+    for b in reversed([b for b in buckets if b]):
         b = b[::-1]  # parameters in forward order inside a bucket
         pn = tuple(names[p] for p in b)
         units.append(Unit(_key(pn), pn, tuple(b)))
