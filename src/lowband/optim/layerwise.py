@@ -23,6 +23,7 @@ of earlier layers still runs; BlueFog's Adapt-Then-Combine starts a layer's neig
   over ``group`` first and the layer is stepped as soon as its own reduction is complete (in backward
   order, on the backward's thread). ``accumulate = J`` sums the gradients of J backward passes and
   steps (after reducing) during the J-th; passes inside :meth:`LayerwiseOptimizer.no_sync` never step.
+  With a reducer, an ``on_layer`` that communicates must do so on another group than ``group``.
 """
 
 from __future__ import annotations
