@@ -15,7 +15,7 @@ from torch import nn
 
 import lowband
 from lowband.comm.handle import Handle
-from lowband.errors import InvalidArgumentError
+from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.optim import (
     AllreduceReducer,
     GradientStage,
@@ -232,3 +232,17 @@ def _misuse() -> None:
 
 def test_misuse() -> None:
     run_threads(_misuse, 1, timeout=60)
+
+
+def _mismatched_layout() -> str:
+    m = _model() if lowband.rank() == 0 else nn.Linear(4, 2).double()
+    try:
+        GradientStage(layer_units(parameter_layers(m)), AllreduceReducer())
+    except CollectiveMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_layout_mismatch_raises_on_every_rank() -> None:
+    for msg in run_threads(_mismatched_layout, 2, timeout=60):
+        assert "the gradient stage's units" in msg and "the number of units" in msg, msg

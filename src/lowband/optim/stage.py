@@ -29,16 +29,15 @@ never reduced and do not count. :meth:`wait` after fewer passes reduces what has
 from __future__ import annotations
 
 import weakref
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from lowband.comm.collectives import allgather
+from lowband.comm.agree import agree, crc
 from lowband.comm.handle import Handle
-from lowband.errors import CollectiveMismatchError, InvalidArgumentError
+from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
 from lowband.runtime import world_group
@@ -53,10 +52,9 @@ def check_accumulate(where: str, value: object) -> int:
     return value
 
 
-def _layout(units: Sequence[Unit]) -> Tensor:
-    desc = repr([[(tuple(p.shape), str(p.dtype)) for p in u.params] for u in units])
-    numel = sum(p.numel() for u in units for p in u.params)
-    return torch.tensor([[len(units), numel, zlib.crc32(desc.encode())]], dtype=torch.int64)
+def _layout(units: Sequence[Unit]) -> list[int]:
+    desc = [[(tuple(p.shape), str(p.dtype)) for p in u.params] for u in units]
+    return [len(units), sum(p.numel() for u in units for p in u.params), crc(desc)]
 
 
 class GradientStage:
@@ -132,16 +130,14 @@ class GradientStage:
         ]
 
     def _check_layout(self, g: Group) -> None:
-        if g.size == 1:
-            return
-        table = allgather(_layout(self.units), name="gradient-stage-layout", group=g)
-        differ = [r for r in range(g.size) if not torch.equal(table[r], table[0])]
-        if differ:
-            raise CollectiveMismatchError(
-                f"{self.where}: ranks {differ} of group {g.name!r} have other gradient units than rank 0 "
-                f"(units, elements, shape hash: {table[0].tolist()} on rank 0, {table[differ[0]].tolist()} "
-                f"on rank {differ[0]})"
-            )
+        """Every rank must hand the same units (count, elements, shapes and dtypes) to the reducer."""
+        agree(
+            g,
+            "the gradient stage's units",
+            _layout(self.units),
+            fields=("the number of units", "the number of elements", "the hash of shapes and dtypes"),
+            where=self.where,
+        )
 
     def __repr__(self) -> str:
         return f"GradientStage({len(self.units)} units, {self.reducer!r}, accumulate={self.accumulate})"
