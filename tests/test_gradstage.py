@@ -246,3 +246,24 @@ def _mismatched_layout() -> str:
 def test_layout_mismatch_raises_on_every_rank() -> None:
     for msg in run_threads(_mismatched_layout, 2, timeout=60):
         assert "the gradient stage's units" in msg and "the number of units" in msg, msg
+
+
+@pytest.mark.parametrize("passes", [1, 2, 3])
+def test_local_layerwise_accumulates(passes: int) -> None:
+    """Without a reducer: J passes summed, the layers stepped during the J-th (no zeros for layers
+    without gradient: torch's optimizer skips them, as one optimizer would)."""
+    ref, mine = _model(), _model()
+    o = FACTORIES["adam"](ref.parameters())
+    seen: list[int] = []
+    lw = LayerwiseOptimizer(
+        parameter_layers(mine), FACTORIES["adam"], accumulate=passes, on_layer=seen.append
+    )
+    for k in range(STEPS):
+        o.zero_grad()
+        (sum(_loss(ref, 0, k, j) for j in range(passes))).backward()  # type: ignore[union-attr]
+        o.step()
+        for j in range(passes):
+            seen.clear()
+            _loss(mine, 0, k, j).backward()
+            assert len(seen) == (len(lw.layers) if j == passes - 1 else 0)
+    assert float((_flat(ref) - _flat(mine)).abs().max()) < 1e-12  # sums in another order
