@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -38,8 +37,7 @@ T = TypeVar("T")
 SEND, RECV = "send", "recv"
 
 
-@dataclass(frozen=True, eq=False)
-class P2POp:
+class P2POp(NamedTuple):
     """One message of a batch: ``kind`` is ``"send"`` or ``"recv"``, ``peer`` a rank of the group,
     ``tensor`` a contiguous buffer (sent as is, or received into in place)."""
 
@@ -94,15 +92,17 @@ class _Abandonable:
         raise RuntimeError("an abandonable send has no future")
 
 
-@dataclass(frozen=True, eq=False)
 class Channel:
     """Batched point-to-point on ``group`` as world rank ``rank``, bounded by ``timeout`` seconds and
     traced by ``tracer``; usable from any thread (see the module docstring)."""
 
-    group: Group
-    rank: int
-    timeout: float
-    tracer: Tracer
+    __slots__ = ("group", "rank", "timeout", "tracer")
+
+    def __init__(self, group: Group, rank: int, timeout: float, tracer: Tracer) -> None:
+        self.group = group
+        self.rank = rank
+        self.timeout = timeout
+        self.tracer = tracer
 
     @staticmethod
     def of(group: Group | None, op: str = "batch_p2p") -> Channel:
@@ -116,12 +116,19 @@ class Channel:
 
     def _check(self, op: str, ops: Sequence[P2POp]) -> None:
         g = self.group
+        n, me = g.size, g.rank
         for m in ops:
-            g.check_rank(op, "peer", m.peer)
-            if m.kind not in (SEND, RECV) or m.peer == g.rank or not m.tensor.is_contiguous():
+            p = m.peer
+            if (
+                type(p) is not int  # bool is not a rank
+                or not 0 <= p < n
+                or p == me
+                or m.kind not in (SEND, RECV)
+                or not m.tensor.is_contiguous()
+            ):
                 raise InvalidArgumentError(
                     f"{self.where(op)}: a batched message must be a send or a receive of a contiguous "
-                    f"tensor to another rank of group {g.name!r}, got {m.kind} to rank {m.peer}"
+                    f"tensor to another rank of group {g.name!r} (size {n}), got {m.kind} to rank {p!r}"
                 )
 
     def post(self, op: str, ops: Sequence[P2POp], name: str | None = None) -> list[Any]:
