@@ -4,20 +4,33 @@ Used exactly as PyTorch ships them: DDP buckets gradients and launches each buck
 autograd engine as soon as the bucket is ready, overlapping communication with the rest of backward;
 PowerSGD replaces the bucket allreduce with torch's ``powerSGD_hook`` (low-rank compression with error
 feedback and warm start).
+
+Exact resume. DDP buckets the gradients in parameter order for its first backward and, from the second
+iteration on, in the order the first backward produced them. A DDP built to resume a checkpoint would
+run its first step in parameter order: the allreduce then sums each element in another order (rounding
+differences at 3+ ranks) and PowerSGD's error memory and warm-start factors, kept per bucket, would be
+applied to the wrong layout. So a checkpoint records whether DDP had already run a backward, and the
+first :meth:`train_step` after :meth:`load_state_dict` first runs one extra forward and backward on its
+batch outside training (random state, module buffers and gradients put back, no optimizer step), only so
+that DDP rebuilds its buckets as the uninterrupted run did; the PowerSGD state is applied after it. The
+resumed run then matches the uninterrupted one bit for bit.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
+from lowband.strategies.torchcomm import comm_errors
 
 
 def _check_positive(cls: str, what: str, v: object, minimum: float = 1) -> None:
@@ -41,6 +54,8 @@ class DDPStrategy(Strategy):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.ddp = DistributedDataParallel(model, process_group=group.pg, bucket_cap_mb=self.bucket_cap_mb)
         super().__init__(model, make_optimizer(model.parameters()), group)
+        self._ran_backward = False  # DDP has seen a backward: its buckets follow the gradient order
+        self._rebucket_pending = False  # loaded from a checkpoint taken after a backward
 
     @property
     def module(self) -> nn.Module:
@@ -48,6 +63,59 @@ class DDPStrategy(Strategy):
 
     def hparams(self) -> dict[str, Any]:
         return {"bucket_cap_mb": self.bucket_cap_mb}
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with comm_errors(self.name, "backward (DDP bucket allreduce)", self.group):
+            super().backward(loss)
+        self._ran_backward = True
+
+    def train_step(self, loss_fn: LossFn) -> float:
+        with comm_errors(self.name, "train_step", self.group):
+            if self._rebucket_pending:
+                self._rebucket(loss_fn)
+            return super().train_step(loss_fn)
+
+    def _rebucket(self, loss_fn: LossFn) -> None:
+        """One forward and backward that leaves no trace but DDP's rebuilt buckets (module docstring)."""
+        buffers = [b.detach().clone() for b in self.local_module.buffers()]
+        cuda = sorted({p.get_device() for p in self.local_module.parameters() if p.is_cuda})
+        with torch.random.fork_rng(devices=cuda):
+            self.backward(loss_fn(self.ddp))
+        self.local_module.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for b, saved in zip(self.local_module.buffers(), buffers, strict=True):
+                b.copy_(saved)
+        self._rebucket_pending = False
+        self._after_rebucket()
+
+    def _after_rebucket(self) -> None:
+        """Subclasses apply state laid out in the rebuilt buckets here."""
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"ddp_ran_backward": self._ran_backward or self._rebucket_pending}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        # checkpoints written before this key existed resume as before (parameter-order first step)
+        self._rebucket_pending = bool(state.get("ddp_ran_backward", False)) and not self._ran_backward
+
+
+# PowerSGDState slots that change while training (the rest are the constructor's hyperparameters)
+_PSGD_DYNAMIC = (
+    "error_dict", "p_memory_dict", "q_memory_dict", "iter",
+    "total_numel_before_compression", "total_numel_after_compression", "next_stats_report",
+)  # fmt: skip
+
+
+def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:
+    """numpy's generator state as tensors and numbers (loadable with ``torch.load(weights_only=True)``)."""
+    kind, keys, pos, has_gauss, gauss = rng.get_state(legacy=True)
+    return {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}  # fmt: skip
+
+
+def _set_rng_state(rng: np.random.RandomState, st: dict[str, Any]) -> None:
+    keys = st["keys"].numpy().astype(np.uint32)
+    rng.set_state((st["kind"], keys, st["pos"], st["has_gauss"], st["cached_gaussian"]))
 
 
 @register_strategy("powersgd", "torch DDP with the PowerSGD comm hook (rank-r compression + error feedback)")
@@ -79,18 +147,48 @@ class PowerSGDStrategy(DDPStrategy):
             random_seed=0,
         )
         self.ddp.register_comm_hook(self.state, psgd.powerSGD_hook)
+        self._pending: dict[str, Any] | None = None  # checkpointed hook state, applied after _rebucket
 
     def hparams(self) -> dict[str, Any]:
         return {"rank": self.rank, "start_iter": self.start_iter}
 
     def extra_state(self) -> dict[str, Any]:
-        # error-feedback memory, warm-start factors and the iteration counter (PowerSGDState pickles
-        # without its process group)
-        slots = [s for s in psgd.PowerSGDState.__slots__ if s != "process_group"]
-        return {"powersgd": {s: getattr(self.state, s) for s in slots}}
+        # error-feedback memory and warm-start factors (per DDP bucket), the iteration counter and the
+        # generator that draws the first factors: tensors, dicts and numbers only
+        if self._pending is not None:
+            hook = self._pending
+        else:
+            hook = {s: getattr(self.state, s) for s in _PSGD_DYNAMIC}
+            hook["rng"] = _rng_state(self.state.rng)
+        return {**super().extra_state(), "powersgd": {**hook, **self.hparams()}}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
+        where = f"PowerSGDStrategy.load_state_dict on rank {self.group.world_rank}"
         if "powersgd" not in state:
-            raise InvalidArgumentError("PowerSGDStrategy.load_state_dict: checkpoint has no PowerSGD state")
-        for slot, value in state["powersgd"].items():
+            raise InvalidArgumentError(f"{where}: checkpoint has no PowerSGD state")
+        hook = state["powersgd"]
+        if "matrix_approximation_rank" in hook:  # written when every PowerSGDState slot was saved
+            saved = {"rank": hook["matrix_approximation_rank"], "start_iter": hook["start_powerSGD_iter"]}
+        else:
+            saved = {k: hook.get(k) for k in self.hparams()}
+        if saved != self.hparams():
+            raise InvalidArgumentError(f"{where}: checkpoint has {saved}, this strategy {self.hparams()}")
+        super().load_extra_state(state)
+        self._pending = hook
+        if not self._rebucket_pending:
+            self._after_rebucket()
+
+    def _after_rebucket(self) -> None:
+        hook, self._pending = self._pending, None
+        if hook is None:
+            return
+        for slot in _PSGD_DYNAMIC:
+            value = hook[slot]
+            if isinstance(value, dict):  # the hook updates its memory in place: keep the checkpoint intact
+                value = {i: t.clone() for i, t in value.items()}
             setattr(self.state, slot, value)
+        rng = hook["rng"]
+        if isinstance(rng, np.random.RandomState):  # a checkpoint pickled with the generator object
+            self.state.rng = rng
+        else:
+            _set_rng_state(self.state.rng, rng)

@@ -17,6 +17,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
+from lowband.strategies.torchcomm import comm_errors
 
 
 @register_strategy("localsgd", "FLSGD: local SGD, all parameters averaged every H steps (torch PostLocalSGD)")
@@ -42,6 +43,10 @@ class LocalSGDStrategy(Strategy):
 
     def hparams(self) -> dict[str, Any]:
         return {"H": self.period}
+
+    def step(self) -> None:
+        with comm_errors(self.name, "step (model averaging)", self.group):
+            super().step()
 
     def in_sync(self) -> bool:
         # torch's averager counts its calls from 0 and averages when count % period == 0,
