@@ -3,6 +3,7 @@ configuration (real rank processes; loopback, and emulated links when root)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,16 +18,21 @@ from lowband.errors import InvalidArgumentError
 from lowband.testbed import have_root
 
 
-def _run(step: float, losses: list[float], tx: float, n: int = 2, rounds: int = 2) -> dict[str, object]:
+def _run(
+    step: float, losses: list[float], tx: float | list[float], n: int = 2, rounds: int = 2
+) -> dict[str, object]:
+    """Synthetic raw records: every step ``step`` s; rank r sends and receives ``tx`` (or ``tx[r]``)
+    bytes per step."""
     per = len(losses) // rounds
+    txs = tx if isinstance(tx, list) else [tx] * n
     segs = []
     for r in range(rounds):
         ls = losses[r * per : (r + 1) * per]
         segs.append(
             {
                 "round": r, "first_step": r * per, "step_times": [step] * per, "loss": ls,
-                "wall_end": (r + 1) * per * step, "items": 10 * per, "tx_bytes": [tx * per] * n,
-                "rx_bytes": [tx * per] * n, "starts": [[0.0] * per] * n, "ends": [[step] * per] * n,
+                "wall_end": (r + 1) * per * step, "items": 10 * per, "tx_bytes": [t * per for t in txs],
+                "rx_bytes": [t * per for t in txs], "starts": [[0.0] * per] * n, "ends": [[step] * per] * n,
             }
         )  # fmt: skip
     return {"label": "x", "segments": segs, "evals": [], "in_sync": True, "replica_spread": 0.0}
@@ -41,7 +47,8 @@ def test_metrics_definitions() -> None:
             COMPUTE: _run(0.1, [4, 3, 2, 1], tx=0),
         },
     }
-    s = summarize(raw, warmup_rounds=1, link_rate=1e8, bytes_sharing=1, baselines=["ddp"], smooth=1)
+    rates = [(1e8, 1e8)] * 2
+    s = summarize(raw, warmup_rounds=1, rank_rates=rates, bytes_sharing=1, baselines=["ddp"], smooth=1)
     ddp, loc = s["strategies"]["ddp"], s["strategies"]["localsgd:period=2"]
     assert ddp["iter_time_median"] == pytest.approx(0.4)
     assert ddp["throughput"] == pytest.approx(20 / 0.8)
@@ -58,6 +65,43 @@ def test_metrics_definitions() -> None:
     assert loc["time_to_target_ratio_vs"]["ddp"] == pytest.approx(1.5)
     assert smoothed([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
     assert time_to_target(raw["runs"]["ddp"], 0.5, 1) is None  # type: ignore[arg-type]
+
+
+def test_metrics_heterogeneous_links() -> None:
+    """The bound takes each rank's bytes at that rank's own rates: the busy rank 0 on a fast link and
+    the idle rank 2 on a slow one. The step takes 200 ms, the slow link needs 160 ms of it: efficiency
+    0.8 (the slowest rate applied to the busiest rank's bytes would give a bound of 3.2 s: 16)."""
+    tx = [4e6, 1e6, 2e5]
+    raw = {
+        "world_size": 3,
+        "runs": {"ps": _run(0.2, [3, 2, 1, 1], tx=tx, n=3), COMPUTE: _run(0.01, [3, 2, 1, 1], tx=0, n=3)},
+    }
+    rates: list[tuple[float | None, float | None]] = [(1e9, 1e9), (1e9, 1e9), (1e7, 1e7)]
+    row = summarize(raw, warmup_rounds=1, rank_rates=rates, bytes_sharing=1, baselines=[])["strategies"]["ps"]
+    # rank 0: 4 MB at 1 Gbit/s = 32 ms; rank 1: 8 ms; rank 2: 0.2 MB at 10 Mbit/s = 160 ms
+    assert row["wire_time"] == pytest.approx(0.16)
+    assert row["bound"] == pytest.approx(0.16) and row["efficiency"] == pytest.approx(0.8)
+    fast = [(1e9, 1e9)] * 3
+    row = summarize(raw, warmup_rounds=1, rank_rates=fast, bytes_sharing=1, baselines=[])["strategies"]["ps"]
+    assert row["bound"] == pytest.approx(0.032) and row["efficiency"] == pytest.approx(0.16)
+    # one direction unshaped, and a rank on an unshaped link, add no wire time
+    half = [(1e9, None), (None, None), (None, 1e7)]
+    row = summarize(raw, warmup_rounds=1, rank_rates=half, bytes_sharing=1, baselines=[])["strategies"]["ps"]
+    assert row["wire_time"] == pytest.approx(0.16)
+    row = summarize(raw, warmup_rounds=1, rank_rates=None, bytes_sharing=1, baselines=[])["strategies"]["ps"]
+    assert row["wire_time"] is None and row["bound"] == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="2 rank rates for 3 ranks"):
+        summarize(raw, warmup_rounds=1, rank_rates=fast[:2], bytes_sharing=1, baselines=[])
+
+
+def test_link_shares_of_layouts() -> None:
+    """Each rank's rates for its counted bytes: its own link, or its share of a two-tier machine link."""
+    from lowband.bench.runner import link_shares
+    from lowband.testbed import Layout
+
+    assert link_shares(Layout.heterogeneous(["1gbit", "10mbit"])) == [(1e9, 1e9), (1e7, 1e7)]
+    assert link_shares(Layout.two_tier(2, 2, "100mbit")) == [(5e7, 5e7)] * 4
+    assert link_shares(Layout.flat(2, None)) == [(None, None)] * 2
 
 
 def test_config_validation() -> None:
@@ -144,3 +188,38 @@ def test_collectives_loopback(tmp_path: Path) -> None:
     assert "neighbor_allreduce:topology=ring" in (tmp_path / "c" / "results.md").read_text()
     with pytest.raises(InvalidArgumentError, match="unknown collective"):
         BenchConfig(collectives=["allgather_of_doom"]).validate()
+
+
+def test_bench_refuses_ranks_the_machine_cannot_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``lowband bench -n 100`` on a 24 GB, 2-core machine stops with the estimate before any testbed
+    or rank starts; ``force`` gets past the check."""
+    from lowband.bench import resources, runner
+    from lowband.cli import main
+
+    small = resources.Machine(available_bytes=24 * 10**9, cores=2)
+    started: list[object] = []
+
+    class NoTestbed:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            started.append(args)
+            raise RuntimeError("testbed started")
+
+    monkeypatch.setattr(runner, "machine", lambda: small)
+    monkeypatch.setattr(runner, "Testbed", NoTestbed)
+    out = tmp_path / "out"
+    assert main(["bench", "-n", "100", "--mode", "loopback", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lowband bench -n 100: refusing to start") and "--force" in err
+    assert "100 ranks need about 30.0 GB (300 MB per rank" in err and "24.0 GB available" in err
+    assert "100 ranks x 1 thread(s) on 2 core(s)" in err
+    assert not started and not out.exists()
+
+    ok = BenchConfig(world_size=4, out_dir=str(out))
+    runner.check_machine(ok)  # the demo's 4 ranks fit
+    with pytest.raises(InvalidArgumentError, match="9 ranks x 1 thread"):
+        runner.check_machine(dataclasses.replace(ok, world_size=9))  # memory fits, cores do not
+    with pytest.raises(RuntimeError, match="testbed started"):
+        runner.run_bench(dataclasses.replace(ok, world_size=100, mode="loopback"), force=True)
+    assert len(started) == 1

@@ -38,7 +38,10 @@ def _model() -> nn.Module:
 
 def _loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + step)
-    x, y = torch.randn(5, 6, generator=g, dtype=torch.float64), torch.randn(5, 2, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(5, 6, generator=g, dtype=torch.float64),
+        torch.randn(5, 2, generator=g, dtype=torch.float64),
+    )
     return ((m(x) - y) ** 2).mean()
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from lowband.bench.config import BenchConfig
+from lowband.errors import InvalidArgumentError
 
 
 def _rate(v: str) -> str | None:
@@ -71,6 +74,10 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default results/<command>-<time>)")
+    p.add_argument(
+        "--force", action="store_true",
+        help="start the ranks even where the estimate of their memory or cores exceeds this machine",
+    )  # fmt: skip
 
 
 def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
@@ -135,7 +142,25 @@ def _print_results(res: dict[str, object]) -> None:
     print("plots:   " + "  ".join(str(p) for p in res["plots"]))  # type: ignore[attr-defined]
 
 
+def _user_errors(cmd: str, main: Callable[[argparse.Namespace], int], ns: argparse.Namespace) -> int:
+    """A wrong argument or a refused run (too many ranks for the machine): its message, exit code 2."""
+    try:
+        return main(ns)
+    except InvalidArgumentError as e:
+        msg = str(e)
+        print(msg if msg.startswith("lowband ") else f"lowband {cmd}: {msg}", file=sys.stderr)
+        return 2
+
+
 def main_bench(ns: argparse.Namespace) -> int:
+    return _user_errors("bench", _bench, ns)
+
+
+def main_demo(ns: argparse.Namespace) -> int:
+    return _user_errors("demo", _demo, ns)
+
+
+def _bench(ns: argparse.Namespace) -> int:
     from lowband.bench.runner import run_bench, run_sweep
     from lowband.bench.workloads import workload_names
     from lowband.strategies import describe_strategies
@@ -157,15 +182,15 @@ def main_bench(ns: argparse.Namespace) -> int:
         sizes = (
             [int(s) for s in ns.sweep_world_sizes.split(",")] if ns.sweep_world_sizes else [cfg.world_size]
         )
-        res = run_sweep(cfg, rates, sizes)
+        res = run_sweep(cfg, rates, sizes, force=ns.force)
         print(res["table"])
         print(f"sweep results: {Path(cfg.out_dir) / 'sweep.json'}")
         return 0
-    _print_results(run_bench(cfg))
+    _print_results(run_bench(cfg, force=ns.force))
     return 0
 
 
-def main_demo(ns: argparse.Namespace) -> int:
+def _demo(ns: argparse.Namespace) -> int:
     from lowband.bench.runner import run_bench
 
     cfg = config_from_args(ns, "demo")
@@ -173,5 +198,5 @@ def main_demo(ns: argparse.Namespace) -> int:
         f"lowband demo: {cfg.workload} on {cfg.world_size} ranks, links {cfg.rate or 'unshaped'} per rank; "
         f"strategies: {', '.join(cfg.strategies)}; {cfg.rounds} rounds x {cfg.steps_per_round} steps each, alternated"
     )
-    _print_results(run_bench(cfg))
+    _print_results(run_bench(cfg, force=ns.force))
     return 0

@@ -4,9 +4,9 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
 
 - iteration time: the job's pace. Step k ends when the last rank ends it, and lasts from the end of
   step k-1 (the first from the moment the first rank leaves the round's barrier), so a round's step
-  times add up to its wall-clock time. (Before 2026-11-23 session 3 it was the slowest rank's own step
-  duration, which on oversubscribed cores counts every rank's scheduling jitter as the job's; DDP reads
-  the same under both.) A round's mean is one sample (periodic strategies
+  times add up to its wall-clock time. (Before 2026-11-23, commit 78648d9, it was the slowest rank's own
+  step duration, which on oversubscribed cores counts every rank's scheduling jitter as the job's; DDP
+  reads the same under both.) A round's mean is one sample (periodic strategies
   communicate in some steps only, so a per-step median would hide their synchronizations);
   reported as the median, min and max over rounds, and the overall mean.
 - throughput: items (samples or tokens, all ranks) per second of training.
@@ -15,7 +15,9 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
   and are divided by the world size.
 - computation time: the iteration time of the same training step with no communication at all.
 - non-overlapped communication: iteration time - computation time (>= 0).
-- physical bound: max(computation time, max(bytes sent, bytes received) * 8 / link rate);
+- physical bound: max(computation time, wire time), where the wire time is the longest any rank's link
+  needs for that rank's bytes: max over ranks r of max(sent_r * 8 / up_r, received_r * 8 / down_r),
+  each rank at its own link's rates (on heterogeneous links the busiest rank need not be the slowest);
   efficiency = bound / iteration time (<= 1 up to noise).
 - time to target loss: training time until the moving average of the training loss (window =
   ``smooth`` steps) first reaches the target; the default target is the worst of the strategies' final
@@ -31,9 +33,13 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 COMPUTE = "compute-only"
+
+#: one rank's link rates in bits/s, (up, down); None where unshaped
+Rates = tuple[float | None, float | None]
 
 
 def _timed(run: dict[str, Any], warmup_rounds: int) -> list[dict[str, Any]]:
@@ -88,15 +94,21 @@ def summarize(
     raw: dict[str, Any],
     *,
     warmup_rounds: int,
-    link_rate: float | None,
+    rank_rates: Sequence[Rates] | None,
     bytes_sharing: int,
     baselines: list[str],
     target_loss: float | None = None,
     smooth: int = 10,
     target_accuracy: float | None = None,
 ) -> dict[str, Any]:
-    """Every reported figure for every strategy of one run (see the module docstring)."""
+    """Every reported figure for every strategy of one run (see the module docstring).
+
+    ``rank_rates[r]`` is the (up, down) rate available to rank ``r``'s counted bytes (its link's, or
+    its share of a machine link its machine's ranks share); None when the links are unshaped.
+    """
     runs = raw["runs"]
+    if rank_rates is not None and len(rank_rates) != raw["world_size"]:
+        raise ValueError(f"summarize: {len(rank_rates)} rank rates for {raw['world_size']} ranks")
     compute = statistics.median(round_means(runs[COMPUTE], warmup_rounds)) if COMPUTE in runs else None
     keys = [k for k in runs if k != COMPUTE]
     finals = {k: smoothed([c[2] for c in loss_curve(runs[k])], smooth)[-1] for k in keys}
@@ -118,8 +130,8 @@ def summarize(
             sum(s["rx_bytes"][r] for s in segs) / steps / bytes_sharing for r in range(raw["world_size"])
         ]
         it = statistics.median(means)
-        wire = max(max(per_rank_tx), max(per_rank_rx))
-        bound = max(compute or 0.0, wire * 8 / link_rate if link_rate else 0.0)
+        wire = wire_time(per_rank_tx, per_rank_rx, rank_rates)
+        bound = max(compute or 0.0, wire)
         last_eval = run["evals"][-1] if run["evals"] else {}
         predicted = run.get("report", {}).get("predicted_step_s")
         setup = float(run.get("report", {}).get("profile_s") or 0.0)
@@ -135,6 +147,7 @@ def summarize(
             "bytes_received_per_rank_step": statistics.fmean(per_rank_rx),
             "compute_time": compute,
             "comm_not_overlapped": None if compute is None else max(0.0, it - compute),
+            "wire_time": wire if rank_rates is not None else None,
             "bound": bound if bound > 0 else None,
             "efficiency": bound / it if bound > 0 else None,
             "final_train_loss": finals[k],
@@ -169,6 +182,17 @@ def summarize(
         "compute_time": compute,
         "strategies": rows,
     }
+
+
+def wire_time(sent: Sequence[float], received: Sequence[float], rates: Sequence[Rates] | None) -> float:
+    """Seconds the busiest link needs: max over ranks of that rank's bytes at that rank's rates."""
+    if rates is None:
+        return 0.0
+    times = [0.0]
+    for tx, rx, (up, down) in zip(sent, received, rates, strict=True):
+        times += [tx * 8 / up] if up else []
+        times += [rx * 8 / down] if down else []
+    return max(times)
 
 
 def _find(rows: dict[str, Any], name: str) -> str | None:

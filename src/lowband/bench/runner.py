@@ -20,8 +20,9 @@ from tqdm import tqdm
 
 import lowband
 from lowband.bench.config import BenchConfig
-from lowband.bench.metrics import summarize
+from lowband.bench.metrics import Rates, summarize
 from lowband.bench.report import markdown_table, plot_all, sweep_table
+from lowband.bench.resources import check_resources, machine, rank_bytes
 from lowband.errors import LowbandError
 from lowband.testbed import Layout, Testbed
 
@@ -33,6 +34,17 @@ def make_layout(cfg: BenchConfig) -> Layout:
     if cfg.rates is not None:
         return Layout.heterogeneous(cfg.rates, delay_ms=cfg.delay_ms)
     return Layout.flat(cfg.world_size, cfg.rate, delay_ms=cfg.delay_ms)
+
+
+def link_shares(layout: Layout) -> list[Rates]:
+    """Each rank's (up, down) rate for its counted bytes: its machine's link, divided among the ranks
+    of a two-tier machine (their bytes are the machine link's counters divided the same way)."""
+    k = layout.ranks_per_machine
+    out: list[Rates] = []
+    for r in range(layout.world_size):
+        m = layout.machines[layout.machine_of(r)]
+        out.append((None if m.up is None else m.up / k, None if m.down is None else m.down / k))
+    return out
 
 
 def _follow(stream: IO[bytes], bar: tqdm, log: IO[str]) -> None:
@@ -49,10 +61,30 @@ def _follow(stream: IO[bytes], bar: tqdm, log: IO[str]) -> None:
             log.flush()
 
 
-def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False) -> dict[str, Any]:
+def check_machine(cfg: BenchConfig) -> None:
+    """Refuse (with the estimate) a bench whose ranks this machine cannot hold: first on torch's
+    footprint alone (instant, whatever the workload), then with the workload's model."""
+    m, what = machine(), f"lowband bench -n {cfg.world_size}"
+    check_resources(cfg.world_size, cfg.threads, rank_bytes(0), m, what)
+    if cfg.collectives is not None:
+        model_bytes = max(cfg.sizes, default=0)
+    else:
+        from lowband.bench.workloads import get_workload
+
+        model = get_workload(cfg.workload).build_model(cfg.seed)
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    check_resources(cfg.world_size, cfg.threads, rank_bytes(model_bytes), m, what)
+
+
+def run_bench(
+    cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False, force: bool = False
+) -> dict[str, Any]:
     """Run one bench (one workload, one link setting); returns the results also written to
-    ``cfg.out_dir/results.json``."""
+    ``cfg.out_dir/results.json``. Refuses ranks the machine cannot hold (:func:`check_machine`)
+    unless ``force``."""
     cfg.validate()
+    if not force:
+        check_machine(cfg)
     out = Path(cfg.out_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     (out / "raw.json").unlink(missing_ok=True)
@@ -90,13 +122,14 @@ def run_bench(cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False)
         shaped, label = tb.shaped, tb.label()
     raw = json.loads((out / "raw.json").read_text())
     link_rate = layout.bottleneck() if shaped else None
+    rank_rates = link_shares(layout) if shaped else None
     if cfg.collectives is not None:
         return _collectives_results(cfg, raw, out, started, label, shaped, link_rate, tb.reason)
     sharing = cfg.ranks_per_machine if shaped else cfg.world_size
     summary = summarize(
         raw,
         warmup_rounds=cfg.warmup_rounds,
-        link_rate=link_rate,
+        rank_rates=rank_rates,
         bytes_sharing=sharing,
         baselines=cfg.baselines,
         target_loss=cfg.target_loss,
@@ -171,9 +204,16 @@ def _collectives_results(
 
 
 def run_sweep(
-    cfg: BenchConfig, rates: list[str | None], world_sizes: list[int], *, timeout: float = 3600.0
+    cfg: BenchConfig,
+    rates: list[str | None],
+    world_sizes: list[int],
+    *,
+    timeout: float = 3600.0,
+    force: bool = False,
 ) -> dict[str, Any]:
     """One bench per (link rate, world size); prints speed-up tables like the papers' Table 1."""
+    if not force:  # refuse before the first run starts, not after the small ones
+        check_machine(dataclasses.replace(cfg, world_size=max(world_sizes)))
     points = []
     base = Path(cfg.out_dir)
     for n in world_sizes:
@@ -184,7 +224,7 @@ def run_sweep(
             )
             if rate is None:
                 sub.mode = "loopback"
-            res = run_bench(sub, timeout=timeout)
+            res = run_bench(sub, timeout=timeout, force=force)
             print(res["markdown"])
             points.append({"setting": setting, "testbed": res["testbed"], "summary": res["summary"]})
     baseline = cfg.baselines[0]

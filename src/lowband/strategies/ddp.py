@@ -108,8 +108,10 @@ _PSGD_DYNAMIC = (
 
 def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:
     """numpy's generator state as tensors and numbers (loadable with ``torch.load(weights_only=True)``)."""
-    kind, keys, pos, has_gauss, gauss = rng.get_state(legacy=True)
-    return {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+    state = rng.get_state(legacy=True)
+    assert isinstance(state, tuple)  # legacy=True: ("MT19937", keys, pos, has_gauss, cached_gaussian)
+    kind, keys, pos, has_gauss, gauss = state
+    return {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
             "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}  # fmt: skip
 
 
