@@ -164,6 +164,29 @@ def test_runner_shaped_cli(tmp_path: Path) -> None:
     _check({"markdown": proc.stdout}, out)
 
 
+@pytest.mark.skipif(not have_root(), reason="emulated links need root (network namespaces + tc)")
+def test_runner_heterogeneous_cli(tmp_path: Path) -> None:
+    """``--rates``: one rank at 400 Mbit/s, one at 50 Mbit/s. The bound is each rank's bytes at its own
+    rate (the slow rank's here), and no strategy is more efficient than the links allow."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable, "-m", "lowband.cli", "bench", "-n", "2", "--rates", "400mbit,50mbit", "--mode",
+        "netns", "-s", "ddp", "--rounds", "2", "--steps-per-round", "4", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["shaped"] is True and res["link_rate_bits"] == 5e7
+    row = res["summary"]["strategies"]["ddp"]
+    segs = [s for s in res["raw"]["runs"]["ddp"]["segments"] if s["round"] >= 1]
+    steps = sum(len(s["step_times"]) for s in segs)
+    per_rank = [
+        max(sum(s["tx_bytes"][r] for s in segs), sum(s["rx_bytes"][r] for s in segs)) / steps for r in (0, 1)
+    ]
+    assert row["wire_time"] == pytest.approx(max(per_rank[0] * 8 / 4e8, per_rank[1] * 8 / 5e7))
+    assert 0 < row["efficiency"] <= 1.1, row
+
+
 def test_collectives_loopback(tmp_path: Path) -> None:
     """``--collectives``: every op timed at every size, ratios to the first op, table and plot written."""
     from lowband.bench.collectives import parse_size
