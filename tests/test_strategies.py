@@ -1,5 +1,6 @@
 """The strategy protocol and PyTorch's baselines (DDP, DDP + PowerSGD, periodic local SGD), checked
-against single-process oracles that rebuild every rank's seeded data.
+against single-process oracles that rebuild every rank's seeded data, and resumed from a checkpoint
+(loaded with ``weights_only=True``) mid-run: bit for bit the uninterrupted run.
 
 torch's DDP and model averagers need a registered (process-wide) process group, so these run ranks as
 real processes; each test does several checks per launch to keep the suite fast.

@@ -22,7 +22,7 @@ from lowband.runtime import current
 
 # what torch's gloo/NCCL/store layers put in the messages of errors that are about communication
 # (older torch versions raise a plain RuntimeError where newer ones raise DistBackendError)
-_COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "peer", "socket", "broken pipe")
+_COMM_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "broken pipe", "timed out")
 
 
 def _is_comm_error(exc: RuntimeError) -> bool:
