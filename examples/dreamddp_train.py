@@ -94,7 +94,7 @@ def main() -> None:
 
     resumed = strategy()
     buf.seek(0)
-    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    resumed.load_state_dict(torch.load(buf, weights_only=True))
     train(resumed, data, half, args.steps)
     same = all(torch.equal(a, b) for a, b in zip(s.module.parameters(), resumed.module.parameters()))
 

@@ -347,7 +347,7 @@ def _round_trip(spec: str, opts: dict[str, Any], factory: str) -> float:
     buf.seek(0)
     m2 = _model(r + 50)
     s2 = make_strategy(spec, m2, FACTORIES[factory], **opts)
-    s2.load_state_dict(torch.load(buf, weights_only=False))
+    s2.load_state_dict(torch.load(buf, weights_only=True))
     for k in range(3, 6):
         s.train_step(lambda mod, k=k: _loss(mod, _batch(r, k)))
     s.synchronize()

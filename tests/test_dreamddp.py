@@ -301,7 +301,7 @@ def test_resume_is_identical(n: int) -> None:
         m3 = _seeded(nn.Sequential(*layers), 99 + r)  # other weights: the checkpoint must restore them
         s3 = make_strategy("dreamddp", m3, OPTS["adam"])
         assert isinstance(s3, PartialSyncStrategy)
-        s3.load_state_dict(torch.load(buf, weights_only=False))
+        s3.load_state_dict(torch.load(buf, weights_only=True))
         restored = s3.schedule == s2.schedule and s3.steps == cut and s3.period == H
         for k in range(cut, R):
             batch = _batch(r, k)

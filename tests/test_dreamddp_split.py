@@ -187,7 +187,7 @@ def test_auto_split_keeps_whole_layers_for_small_models_and_resume_restores_unit
         m3 = _seeded(nn.Sequential(*layers), 99 + r)
         s3 = make_strategy("dreamddp", m3, OPTS["adam"])  # split not given: the checkpoint's units
         assert isinstance(s3, PartialSyncStrategy)
-        s3.load_state_dict(torch.load(buf, weights_only=False))
+        s3.load_state_dict(torch.load(buf, weights_only=True))
         restored = s3.averager.specs == s2.averager.specs and s3.schedule == s2.schedule
         for k in range(cut, R):
             batch = _batch(r, k)
