@@ -128,6 +128,31 @@ LOCAL_CASES: list[tuple[str, Callable[[], Any], str]] = [
         lambda: lowband.allgather(torch.ones(2), sizes=[2]),
         r"allgather on rank {rank}: sizes=\[2\] must hold 2",
     ),
+    (
+        "allgather-float-sizes",
+        lambda: lowband.allgather(torch.ones(2), sizes=[2.0, 2.5]),
+        r"allgather on rank {rank}: sizes must hold ints, got 2\.0",
+    ),
+    (
+        "a2a-float-splits",
+        lambda: lowband.alltoall(torch.ones(4), [1.5, 2.5]),
+        r"alltoall on rank {rank}: splits must hold ints, got 1\.5",
+    ),
+    (
+        "a2a-bool-recv-splits",
+        lambda: lowband.alltoall(torch.ones(4), [2, 2], recv_splits=[True, 3]),
+        r"alltoall on rank {rank}: recv_splits must hold ints, got True",
+    ),
+    (
+        "meta",
+        lambda: lowband.allreduce(torch.ones(2, device="meta")),
+        r"allreduce on rank {rank}: tensor is on the meta device",
+    ),
+    (
+        "meta-grouped",
+        lambda: lowband.grouped_allreduce([torch.ones(2), torch.ones(2, device="meta")]),
+        r"grouped_allreduce on rank {rank}: tensors\[1\] is on the meta device",
+    ),
 ]
 
 
@@ -135,6 +160,37 @@ LOCAL_CASES: list[tuple[str, Callable[[], Any], str]] = [
 def test_bad_arguments(case: tuple[str, Callable[[], Any], str]) -> None:
     _, fn, pattern = case
     _each_rank_raises(2, fn, lowband.InvalidArgumentError, pattern)
+
+
+def test_inplace_targets_rejected_before_sending() -> None:
+    """inplace=True on a leaf that requires grad, or on an expanded tensor, raises on the calling
+    rank before anything is sent: every rank's tensor is left as it was (not a sum)."""
+
+    def body() -> None:
+        r = lowband.rank()
+        leaf = torch.full((3,), float(r + 1), requires_grad=True)
+        with pytest.raises(lowband.InvalidArgumentError, match=rf"allreduce on rank {r}: .*requires grad"):
+            lowband.allreduce(leaf, inplace=True)
+        assert leaf.detach().tolist() == [float(r + 1)] * 3
+        with pytest.raises(lowband.InvalidArgumentError, match=r"broadcast on rank .*requires grad"):
+            lowband.broadcast(leaf, inplace=True)
+        base = torch.full((1, 3), float(r + 1))
+        wide = base.expand(4, 3)
+        with pytest.raises(lowband.InvalidArgumentError, match=r"allreduce on rank .*share memory"):
+            lowband.allreduce(wide, inplace=True)
+        with pytest.raises(lowband.InvalidArgumentError, match=r"grouped_allreduce on rank .*share memory"):
+            lowband.grouped_allreduce([torch.ones(2), wide], inplace=True)
+        assert base.tolist() == [[float(r + 1)] * 3]
+        # the documented ways still work: under no_grad, or on the detached tensor (same memory)
+        with torch.no_grad():
+            lowband.allreduce(leaf, inplace=True)
+        lowband.allreduce(leaf.detach(), op="sum", inplace=True)
+        n = lowband.size()
+        assert leaf.detach().tolist() == [float(sum(range(1, n + 1)))] * 3
+        out = lowband.allreduce(wide)  # out of place is fine
+        assert out.shape == (4, 3)
+
+    run_threads(body, 2)
 
 
 MISMATCH_CASES: list[tuple[str, Callable[[], Any], str]] = [

@@ -5,11 +5,11 @@ layout, a schedule, a window's signature): every rank contributes a row of int64
 the group's control process group (bounded wait), and every rank raises the same
 :class:`CollectiveMismatchError`, naming what differs, the differing values and the ranks.
 
-:func:`exchange` is the allgather itself, shared with the per-op argument check
-(:mod:`lowband.comm.validate`) and the neighbor ops' topology check. Every row posted on a control
-process group has the same length (``HEADER + group size``) and starts with :data:`MAGIC` and an op
-code, so a rank agreeing on one thing while another checks a collective gets a clean error naming
-both, never a size mismatch inside gloo (which would abort the process).
+:func:`exchange` (from :mod:`lowband.comm.control`) is the allgather itself, shared with the per-op
+argument check (:mod:`lowband.comm.validate`) and the neighbor ops' topology check. Every row posted
+on a control process group has the same length (``HEADER + group size``) and starts with
+:data:`MAGIC` and an op code, so a rank agreeing on one thing while another checks a collective gets
+a clean error naming both, never a size mismatch inside gloo (which would abort the process).
 """
 
 from __future__ import annotations
@@ -20,15 +20,12 @@ from collections.abc import Sequence
 
 import torch
 
+from lowband.comm.control import F_MAGIC, F_OP, HEADER, MAGIC, exchange, row_length
 from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.group import Group
 
-#: first field of every control row
-MAGIC = 0x10BA
-#: fields every control row shares: magic, op code, then op-specific ints (a collective's signature
-#: uses 12 header fields: op, dtype, ndim, 6 dims, a hash of further dims, one argument)
-HEADER = 12
-F_MAGIC, F_OP = 0, 1
+__all__ = ["HEADER", "MAGIC", "agree", "crc", "exchange", "row_length"]
+
 #: the op code of :func:`agree` rows (collectives use 1-99, neighbor ops 101-199)
 AGREE_OP = 201
 # an agree row: magic, AGREE_OP, crc(what), len(ints), crc(ints), then the ints inline when they fit
@@ -36,30 +33,9 @@ _A_WHAT, _A_LEN, _A_CRC, _A_INLINE = 2, 3, 4, 5
 _MAX_SHOWN = 4
 
 
-def row_length(group: Group) -> int:
-    """Length of every control row on ``group``."""
-    return HEADER + group.size
-
-
 def crc(values: object) -> int:
     """A stable 31-bit hash of ``repr(values)`` (the same on every rank and run)."""
     return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
-
-
-def exchange(group: Group, row: torch.Tensor, where: str, timeout: float) -> list[list[int]]:
-    """Allgather ``row`` (int64, :func:`row_length` long) from every rank of ``group`` on its control
-    process group; returns the ``group.size`` rows. Bounded by ``timeout`` seconds; ``where`` labels
-    the timeout or failure error."""
-    from lowband.comm.handle import comm_error
-
-    out = torch.empty(group.size * row.numel(), dtype=torch.int64)
-    try:
-        work = group.control_pg._allgather_base(out, row)
-        work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise comm_error(where, exc, timeout) from exc
-    rows: list[list[int]] = out.view(group.size, row.numel()).tolist()
-    return rows
 
 
 def _as_ints(where: str, ints: Sequence[int]) -> list[int]:
@@ -124,7 +100,7 @@ def agree(
     inline = len(vals) <= n - _A_INLINE
     if inline:
         row[_A_INLINE : _A_INLINE + len(vals)] = vals
-    rows = exchange(g, torch.tensor(row, dtype=torch.int64), f"{at} (agreement)", ctx.config.timeout)
+    rows = exchange(g, torch.tensor(row, dtype=torch.int64), at, ctx.config.timeout, label="agreement")
     for r, other in enumerate(rows):
         if other[F_MAGIC] != MAGIC or other[F_OP] != AGREE_OP:
             from lowband.comm.validate import describe

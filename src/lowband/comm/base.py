@@ -8,7 +8,9 @@ from typing import Any, TypeVar
 import torch
 
 from lowband.comm import validate
+from lowband.comm.control import Prediction
 from lowband.comm.handle import Handle
+from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.runtime import Context, world_group
 
@@ -29,10 +31,22 @@ def checked_tensor(op: str, ctx: Context, t: object, what: str = "tensor") -> to
     return validate.check_tensor(op, ctx.rank, t, what)
 
 
+def check_inplace(op: str, ctx: Context, t: torch.Tensor) -> None:
+    """An ``inplace=True`` target must be writable as one buffer, before anything is sent."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {ctx.rank}: inplace=True on a tensor that requires grad would write "
+            "past autograd; pass tensor.detach() (same memory) or call it under torch.no_grad()"
+        )
+    if validate.overlapping(t):
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {ctx.rank}: inplace=True on a tensor whose elements share memory "
+            f"(shape {tuple(t.shape)}, strides {t.stride()}, e.g. from expand()); pass a contiguous copy"
+        )
+
+
 def check_name(op: str, ctx: Context, name: object) -> str | None:
     if name is not None and not isinstance(name, str):
-        from lowband.errors import InvalidArgumentError
-
         raise InvalidArgumentError(
             f"lowband.{op} on rank {ctx.rank}: name must be a str or None, got {type(name).__name__}"
         )
@@ -48,11 +62,15 @@ def make_handle(
     finish: Callable[[], T],
     sent: int = 0,
     received: int = 0,
+    guard: Prediction | None = None,
 ) -> Handle[T]:
-    """Issue the torch works (in program order, on the caller's thread) and wrap them in a handle."""
+    """Issue the torch works (in program order, on the caller's thread) and wrap them in a handle.
+    ``guard``: the argument check's prediction (:func:`validate.check`), which watches the works."""
     tracer = ctx.tracer
     ev = tracer.start(op, name, int(sent), int(received), g.name) if tracer.enabled else None
     works = issue()
+    if guard is not None:
+        works = guard.watch(list(works))
     return Handle(
         works, finish, op=op, name=name, rank=ctx.rank, timeout=ctx.config.timeout, tracer=tracer, event=ev
     )

@@ -15,9 +15,17 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import validate
-from lowband.comm.base import check_name, checked_tensor, checking, make_handle, nbytes, resolve
-from lowband.comm.collectives import _OP_ARG, _TORCH_OPS, _ring_bytes
+from lowband.comm.base import (
+    check_inplace,
+    check_name,
+    checked_tensor,
+    checking,
+    make_handle,
+    nbytes,
+    resolve,
+)
 from lowband.comm.handle import Handle
+from lowband.comm.reduce import OP_ARG, TORCH_OPS, ring_bytes
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 
@@ -69,13 +77,15 @@ def igrouped_allreduce(
             f"lowband.grouped_allreduce on rank {ctx.rank}: fusion_threshold must be >= 0"
         )
     p = g.size
+    if inplace:
+        for t in ts:
+            check_inplace("grouped_allreduce", ctx, t)
+    guard = None
     if checking(ctx, g) and p > 1:
         # One signature for the whole list: count, and a hash of every dtype and shape.
         desc = [d for t in ts for d in (validate.DTYPE_CODES[t.dtype], t.dim(), *t.shape)]
-        sig = validate.signature("grouped_allreduce", torch.int64, [len(ts), *desc], _OP_ARG[op], (), p)
-        validate.check_rows(
-            "grouped_allreduce", g, validate.exchange(g, sig, ctx.config.timeout), arg_name="op"
-        )
+        sig = validate.signature_row("grouped_allreduce", torch.int64, [len(ts), *desc], OP_ARG[op], (), p)
+        _, guard = validate.check("grouped_allreduce", g, sig, ctx.config.timeout, arg_name="op")
     outs = ts if inplace else [t.clone(memory_format=torch.contiguous_format) for t in ts]
     buckets = plan_buckets(outs, threshold)
     buffers: list[torch.Tensor] = []
@@ -89,9 +99,10 @@ def igrouped_allreduce(
         if p == 1:
             return []
         opts = dist.AllreduceOptions()
-        opts.reduceOp = _TORCH_OPS[op]
+        opts.reduceOp = TORCH_OPS[op]
         return [g.pg.allreduce([buf], opts) for buf in buffers if buf.numel()]
 
+    @torch.no_grad()
     def finish() -> list[torch.Tensor]:
         for b, buf in zip(buckets, buffers):
             if op == "average" and p > 1:
@@ -105,8 +116,8 @@ def igrouped_allreduce(
                 pos += n
         return list(outs)
 
-    nb = sum(_ring_bytes(nbytes(t), p) for t in ts)
-    return make_handle(ctx, g, "grouped_allreduce", name, issue, finish, nb, nb)
+    nb = sum(ring_bytes(nbytes(t), p) for t in ts)
+    return make_handle(ctx, g, "grouped_allreduce", name, issue, finish, nb, nb, guard)
 
 
 def grouped_allreduce(

@@ -130,6 +130,8 @@ class Handle(Generic[T]):
             for work in w.works:
                 try:
                     work.wait(td)
+                except LowbandError:  # the argument check's verification (a mismatch) raises its own
+                    raise
                 except RuntimeError as exc:
                     raise comm_error(self._where(), exc, timeout) from exc
             w.done = True

@@ -1,22 +1,51 @@
-"""Argument checks: local ones (types, dtypes, ranks) and the cross-rank agreement check.
+"""Argument checks: local ones (types, dtypes, ranks) and the cross-rank check of every collective.
 
 gloo aborts the whole process (``terminate called after throwing gloo::EnforceNotMet``) when ranks
-pass buffers of different sizes to one collective. The agreement check prevents that: before the op,
-every rank contributes a small int64 signature (op, dtype, shape, root/op arguments, split sizes) to
-one allgather, and every rank raises the same :class:`CollectiveMismatchError` naming the ranks that
-differ. It costs one small collective per op; ``lowband.init(check=False)`` (or ``LOWBAND_CHECK=0``)
-turns it off. Ops that need the other ranks' sizes anyway (allgather of uneven sizes, alltoall with
-unknown receive splits) always exchange the signature and get the check for free.
+pass buffers of different sizes to one collective. The cross-rank check prevents that: every rank
+contributes a small int64 signature (op, dtype, shape, root/op argument, split sizes) to an allgather
+on the group's control process group, and every rank raises the same
+:class:`CollectiveMismatchError` naming the ranks and the values that differ.
+``lowband.init(check=False)`` (or ``LOWBAND_CHECK=0``, or :meth:`Group.unchecked`) turns it off. Ops
+that need the other ranks' sizes anyway (allgather without ``sizes``, alltoall without
+``recv_splits``) always wait for the table and get the check for free.
+
+Without a round trip per op (:func:`check`). Waiting for the table before every op would cost one
+round trip each. Instead every rank keeps, per control process group, the verified tables in a
+successor map: "after table A (every rank's signature at one op) came table B". The map changes
+only when a table has been exchanged and verified by every rank, so it is the same on every rank,
+and so is the prediction ``P`` of the next table (the successor of the last one). Then, per op:
+
+* a rank whose signature is its row of ``P`` posts its row (marked FAST) without waiting and issues
+  the data op at once, with the sizes ``P`` gives;
+* any other rank (or every rank, when there is no prediction) posts its row and waits for the table.
+
+Why this is safe. If every rank's signature is its row of ``P``, the ranks issue exactly the ops of a
+verified table: the sizes fit. Otherwise some rank ``d`` waits for the table ``T``. If ``T`` has no
+FAST row, no rank issued data: every rank waited, sees the same ``T``, and checks it as before (and
+the map records ``T`` everywhere). If ``T`` has a FAST row, some rank issued ``P``'s data op, which
+``d`` will not match: ``d`` raises (unless ``T`` is ``P`` after all: a rank that needed the sizes
+while the others had them), and never issues a data op of that size into the pending one. The FAST
+ranks' handles wait for ``T`` before the data (the first "work" of their handle is the control
+allgather), see that it is not ``P``, and raise the same error instead of waiting for data that will
+not come; their next op or exchange on the group also verifies any table still unverified. Two ranks
+cannot both take the fast path with different ops: both would have to equal their rows of the same
+``P``. The control allgathers stay aligned because every rank posts exactly one row per checked op,
+waiting or not. After such a mismatch a data op is left pending, so the group is marked unusable:
+every later op on it raises at once (never issuing data that gloo could pair with the pending op).
+
+The steady state costs one small nonblocking allgather per op, overlapping the data op, instead of a
+round trip before it. A rank's local argument errors are raised before anything is posted.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from lowband.comm import agree as _agree
+from lowband.comm import control
+from lowband.comm.agree import AGREE_OP
 from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.group import Group
 
@@ -24,7 +53,7 @@ OP_CODES: dict[str, int] = {
     "allreduce": 1, "broadcast": 2, "allgather": 3, "alltoall": 4, "reduce_scatter": 5,
     "grouped_allreduce": 6, "send": 7, "barrier": 8,
     "neighbor_allreduce": 101, "grouped_neighbor_allreduce": 102, "neighbor_allgather": 103,
-    "hierarchical_neighbor_allreduce": 104, "agree": _agree.AGREE_OP,
+    "hierarchical_neighbor_allreduce": 104, "agree": AGREE_OP,
 }  # fmt: skip
 
 DTYPES: tuple[torch.dtype, ...] = (
@@ -36,9 +65,9 @@ CODE_DTYPES = {i: dt for dt, i in DTYPE_CODES.items()}
 
 REDUCE_OPS = ("sum", "average", "min", "max", "product")
 
-_MAGIC = _agree.MAGIC
+_MAGIC = control.MAGIC
 _MAX_DIMS = 6
-HEADER = _agree.HEADER  # magic, op, dtype, ndim, 6 dims, hash of the rest of the shape, argument
+HEADER = control.HEADER  # magic, op, dtype, ndim, 6 dims, hash of the rest of the shape, argument
 F_OP, F_DTYPE, F_NDIM, F_DIM0, F_HASH, F_ARG = 1, 2, 3, 4, 10, 11
 
 
@@ -52,12 +81,48 @@ def check_tensor(op: str, rank: int, t: object, what: str = "tensor") -> torch.T
         raise InvalidArgumentError(
             f"lowband.{op} on rank {rank}: {what} must be a dense tensor, got layout {t.layout}"
         )
+    if t.device.type == "meta":
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: {what} is on the meta device (it has no data to send)"
+        )
     if t.dtype not in DTYPE_CODES:
         raise InvalidArgumentError(
             f"lowband.{op} on rank {rank}: {what} has unsupported dtype {t.dtype}; supported: "
             + ", ".join(str(d).replace("torch.", "") for d in DTYPES)
         )
     return t
+
+
+def overlapping(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (an expanded tensor, overlapping strides)."""
+    dims = sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1)
+    reach = 0  # the largest offset the smaller-stride dimensions reach
+    for st, n in dims:
+        if st <= reach:
+            return True
+        reach += st * (n - 1)
+    return False
+
+
+def ints_arg(op: str, rank: int, what: str, values: object) -> list[int]:
+    """A sequence of ints (Python or integer-valued tensors/NumPy ints; no floats, no bools)."""
+    import operator
+
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence | torch.Tensor):
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: {what} must be a sequence of ints, got {type(values).__name__}"
+        )
+    out = []
+    for x in values:
+        try:
+            if isinstance(x, bool):
+                raise TypeError
+            out.append(operator.index(x))
+        except TypeError:
+            raise InvalidArgumentError(
+                f"lowband.{op} on rank {rank}: {what} must hold ints, got {x!r} in {list(values)!r}"
+            ) from None
+    return out
 
 
 def check_reduce_op(op: str, rank: int, reduce_op: object, dtype: torch.dtype) -> str:
@@ -81,19 +146,24 @@ def _shape_hash(dims: Sequence[int]) -> int:
     return zlib.crc32(repr(tuple(dims)).encode()) & 0x7FFFFFFF
 
 
+def signature_row(
+    op: str, dtype: torch.dtype, shape: Sequence[int], arg: int, extras: Sequence[int], group_size: int
+) -> list[int]:
+    """The int64 signature one rank contributes: HEADER fields then ``group_size`` op-specific ints."""
+    dims = [int(d) for d in shape]
+    row = [_MAGIC, OP_CODES[op], DTYPE_CODES[dtype], len(dims)]
+    row += [dims[i] if i < len(dims) else -1 for i in range(_MAX_DIMS)]
+    row += [_shape_hash(dims[_MAX_DIMS:]), arg]
+    row += [int(x) for x in extras]
+    row += [0] * (HEADER + group_size - len(row))
+    return row
+
+
 def signature(
     op: str, dtype: torch.dtype, shape: Sequence[int], arg: int, extras: Sequence[int], group_size: int
 ) -> torch.Tensor:
-    """The int64 signature one rank contributes: HEADER fields then ``group_size`` op-specific ints."""
-    sig = torch.zeros(HEADER + group_size, dtype=torch.int64)
-    dims = list(shape)
-    head = [_MAGIC, OP_CODES[op], DTYPE_CODES[dtype], len(dims)]
-    head += [dims[i] if i < len(dims) else -1 for i in range(_MAX_DIMS)]
-    head += [_shape_hash(dims[_MAX_DIMS:]), arg]
-    sig[:HEADER] = torch.tensor(head, dtype=torch.int64)
-    if extras:
-        sig[HEADER : HEADER + len(extras)] = torch.tensor(list(extras), dtype=torch.int64)
-    return sig
+    """:func:`signature_row` as a tensor."""
+    return torch.tensor(signature_row(op, dtype, shape, arg, extras, group_size), dtype=torch.int64)
 
 
 def _arg_text(op: str, arg: int) -> str:
@@ -123,16 +193,51 @@ def describe(row: list[int], args: bool = False) -> str:
 
 
 def exchange(group: Group, sig: torch.Tensor, timeout: float) -> torch.Tensor:
-    """Allgather every rank's signature: a ``[group.size, len(sig)]`` int64 table."""
+    """Allgather every rank's signature (waiting): a ``[group.size, len(sig)]`` int64 table."""
     op = {v: k for k, v in OP_CODES.items()}.get(int(sig[F_OP]), "op")
-    rows = _agree.exchange(group, sig, f"lowband.{op} on rank {group.world_rank} (argument check)", timeout)
+    rows = control.exchange(group, sig, f"lowband.{op} on rank {group.world_rank}", timeout)
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def check(
+    op: str,
+    g: Group,
+    sig: list[int],
+    timeout: float,
+    *,
+    vary_dim0: bool = False,
+    arg_name: str | None = None,
+    needs_table: bool = False,
+    fits: Callable[[control.Table], bool] | None = None,
+) -> tuple[Sequence[Sequence[int]], control.Prediction | None]:
+    """The cross-rank check of one op (see the module docstring): ``(table, guard)``.
+
+    ``table`` holds every rank's signature (read sizes from it); ``guard`` is None when the table was
+    waited for, else what the op's handle must watch its data works with (``make_handle(guard=)``). ``needs_table``: this rank needs the
+    others' sizes, so it always waits. ``fits(predicted table)``: whether a prediction agrees with this
+    rank's other arguments (sizes it was given); if not, the rank waits. Raises
+    :class:`CollectiveMismatchError` on every rank when the calls do not fit together.
+    """
+    where = f"lowband.{op} on rank {g.world_rank}"
+    st = control.state_of(g)
+    st.usable(where)
+    st.drain(g, timeout)
+    node = st.prediction()
+    if node is not None and not needs_table and node.mine == tuple(sig) and (fits is None or fits(node.rows)):
+        return node.rows, control.Prediction(st, st.post_predicted(g, node, where), g)
+    t = torch.tensor(sig, dtype=torch.int64)
+    rows = control.exchange(g, t, where, timeout, expect=node)
+    table = control.normalized(rows)
+    if node is None or table != node.rows:
+        check_rows(op, g, rows, vary_dim0=vary_dim0, arg_name=arg_name)
+    st.advance(table, g.rank)
+    return rows, None
 
 
 def check_rows(
     op: str,
     group: Group,
-    table: torch.Tensor,
+    table: torch.Tensor | list[list[int]],
     *,
     vary_dim0: bool = False,
     arg_name: str | None = None,
@@ -143,7 +248,7 @@ def check_rows(
     ``vary_dim0``: the first dimension may differ (allgather). ``arg_name``: the argument slot must be
     equal (a root, a reduce op). ``extras_must_match``: the op-specific ints must be equal.
     """
-    rows = table.tolist()
+    rows = table.tolist() if isinstance(table, torch.Tensor) else table
     me = group.rank
     ref = rows[0]
     for r, row in enumerate(rows):
