@@ -18,7 +18,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from lowband.decentral.combine import CommunicationType, write_back
 from lowband.decentral.optim_base import DecentralizedOptimizer
@@ -84,10 +84,10 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
 
     def _complete(self, layers: list[int]) -> None:
         """Wait for the combination of ``layers`` (if in flight) and write it into their parameters."""
-        for i in layers:
-            pending = self._pending.pop(i, None)
-            if pending is not None:
-                write_back(self.layers[i][1], pending.wait())
+        self._pending.wait_keys(layers)
+
+    def finish_layer(self, i: int, result: list[Tensor]) -> None:
+        write_back(self.layers[i][1], result)
 
     # -- the Optimizer interface ------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -105,7 +105,7 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
 
     def synchronize(self) -> None:
         """Complete every combination in flight (in layer order) and write it into the parameters."""
-        self._complete(sorted(self._pending))
+        self._pending.wait_all(in_key_order=True)
 
     def remove_hooks(self) -> None:
         super().remove_hooks()

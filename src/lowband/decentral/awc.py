@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lowband.decentral.combine import CommunicationType, write_back
 from lowband.decentral.optim_base import DecentralizedOptimizer
@@ -89,5 +89,7 @@ class AdaptWithCombineOptimizer(DecentralizedOptimizer):
         """Complete every combination in flight (in layer order) and write it into the parameters.
         Between steps nothing is in flight; between a forward and its backward this would change the
         parameters the backward needs, so only :meth:`step` calls it then."""
-        for i in sorted(self._pending):
-            write_back(self.layers[i][1], self._pending.pop(i).wait())
+        self._pending.wait_all(in_key_order=True)
+
+    def finish_layer(self, i: int, result: list[Tensor]) -> None:
+        write_back(self.layers[i][1], result)

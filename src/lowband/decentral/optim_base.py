@@ -38,6 +38,7 @@ from lowband.decentral.knobs import (
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim import parameter_layers
+from lowband.optim.pending import PendingWork, forward_pre_hooks, module_layers
 from lowband.runtime import Context, world_group
 from lowband.topology import DynamicTopology, Topology
 
@@ -58,18 +59,6 @@ __all__ = [
 def _layout_signature(layers: Layers) -> list[int]:
     desc = [[(tuple(p.shape), str(p.dtype)) for p in ps] for _, ps in layers]
     return [len(layers), sum(p.numel() for _, ps in layers for p in ps), crc(desc)]
-
-
-def module_layers(model: nn.Module, layers: Layers) -> list[tuple[nn.Module, list[int]]]:
-    """Every module holding parameters directly, with the layers that own them (a module reusing a
-    tied parameter also lists the layer owning it), in registration order."""
-    owner = {id(p): i for i, (_, ps) in enumerate(layers) for p in ps}
-    out: list[tuple[nn.Module, list[int]]] = []
-    for _, mod in model.named_modules():
-        idx = sorted({owner[id(p)] for p in mod.parameters(recurse=False) if id(p) in owner})
-        if idx:
-            out.append((mod, idx))
-    return out
 
 
 class WrapperBase(torch.optim.Optimizer):
@@ -98,7 +87,8 @@ class WrapperBase(torch.optim.Optimizer):
         self.defaults = dict(self.inner.defaults)
         self.steps = 0
         self._hooks: list[Any] = []
-        self._pending: dict[int, Pending] = {}
+        #: each layer's combination in flight; waiting writes its result with :meth:`finish_layer`
+        self._pending: PendingWork[list[Tensor]] = PendingWork(self.finish_layer)
         self._check_layout()
 
     @staticmethod
@@ -152,8 +142,10 @@ class WrapperBase(torch.optim.Optimizer):
 
     def forward_pre_hooks(self, fn: Callable[[list[int]], None]) -> None:
         """Call ``fn(layer indices)`` before the forward of every module holding parameters."""
-        for mod, idx in module_layers(self.model, self.layers):
-            self._hooks.append(mod.register_forward_pre_hook(lambda _m, _a, idx=idx: fn(idx)))
+        self._hooks.extend(forward_pre_hooks(self.model, self.layers, fn))
+
+    def finish_layer(self, i: int, result: list[Tensor]) -> None:
+        """What waiting for layer ``i``'s operation ends with (nothing here; combiners write back)."""
 
     def remove_hooks(self) -> None:
         """Detach from the model (finishing what is in flight first)."""
@@ -168,7 +160,7 @@ class WrapperBase(torch.optim.Optimizer):
 
     def in_flight(self) -> list[int]:
         """The layers (indices into :attr:`layers`) whose communication is in flight."""
-        return sorted(self._pending)
+        return sorted(self._pending.keys())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)

@@ -39,6 +39,7 @@ from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle
 from lowband.group import Group
 from lowband.localsgd.units import UnitSpec, unit_tensors
+from lowband.optim.pending import PendingWork, forward_pre_hooks
 
 
 def _nbytes(ps: Sequence[torch.Tensor]) -> int:
@@ -58,7 +59,7 @@ class LayerAverager:
         self.group = group
         self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
         self.timing = False
-        self._pending: dict[int, Handle[Any]] = {}
+        self._pending: PendingWork[Any] = PendingWork()
         self._order: list[int] = []
         self._cursor = 0
         self._step = 0
@@ -96,21 +97,14 @@ class LayerAverager:
     def attach(self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Forward pre-hooks on every module holding a layer's parameter, and a step pre-hook on each
         layer's inner optimizer (``optimizers[i]`` steps layer ``i``), that wait for pending averagings."""
-        layer_of = {id(p): i for i, (_, ps) in enumerate(self.layers) for p in ps}
-        for mod in model.modules():
-            idx = sorted({layer_of[id(p)] for p in mod.parameters(recurse=False) if id(p) in layer_of})
-            if idx:
-                self._hooks.append(mod.register_forward_pre_hook(self._forward_waiter(tuple(idx))))
+        self._hooks.extend(forward_pre_hooks(model, self.layers, self._before_forward))
         for i, opt in enumerate(optimizers):
             self._hooks.append(opt.register_step_pre_hook(self._step_waiter(i)))
 
-    def _forward_waiter(self, idx: tuple[int, ...]) -> Callable[..., None]:
-        def hook(_m: nn.Module, _args: Any) -> None:
-            if self._pending:
-                for i in idx:
-                    self.wait_layer(i)
-
-        return hook
+    def _before_forward(self, layers: list[int]) -> None:
+        if self._pending:
+            for i in layers:
+                self.wait_layer(i)
 
     def _step_waiter(self, i: int) -> Callable[..., None]:
         def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
@@ -151,10 +145,9 @@ class LayerAverager:
 
     def _launch(self, u: int) -> None:
         self.wait_unit(u)  # never two averagings of one unit in flight
-        h = igrouped_allreduce(
+        h: Handle[Any] = igrouped_allreduce(
             self.units[u], inplace=True, name=f"partial-sync:{self.specs[u].name}", group=self.group
         )
-        self._pending[u] = h
         self.launch_counts[u] += 1
         self.max_gap[u] = max(self.max_gap[u], self._step - self.last_sync[u])
         self.last_sync[u] = self._step
@@ -165,7 +158,8 @@ class LayerAverager:
                 entry[2] = time.perf_counter()
 
             self._log.append(entry)
-            self._pending[u] = h.then(record)
+            h = h.then(record)
+        self._pending.add(u, h)
 
     # -- waiting ----------------------------------------------------------------------------------
     def pending(self) -> int:
@@ -174,19 +168,15 @@ class LayerAverager:
 
     def wait_unit(self, u: int) -> None:
         """Wait (bounded by the runtime's timeout) for unit ``u``'s pending averaging, if any."""
-        h = self._pending.pop(u, None)
-        if h is not None:
-            h.wait()
+        self._pending.wait(u)
 
     def wait_layer(self, i: int) -> None:
         """Wait for the pending averagings of every unit of layer ``i``."""
-        for u in self.units_of[i]:
-            self.wait_unit(u)
+        self._pending.wait_keys(self.units_of[i])
 
     def wait_all(self) -> None:
         """Wait for every pending averaging, in launch order."""
-        for u in list(self._pending):
-            self.wait_unit(u)
+        self._pending.wait_all()
 
     # -- measurements -----------------------------------------------------------------------------
     def take_comm_samples(self) -> list[tuple[int, float]]:
