@@ -283,7 +283,9 @@ def test_bad_inputs() -> None:
     for bad in (0, -1, True, 1.5, "3"):
         with pytest.raises(InvalidArgumentError, match="H"):
             schedule_dreamddp(p, bad)  # type: ignore[arg-type]
-    with pytest.raises(InvalidArgumentError, match="unknown method 'nope'"):
+    with pytest.raises(
+        InvalidArgumentError, match="make_schedule: unknown scheduler 'nope'; known: bruteforce"
+    ):
         make_schedule("nope", p, 2)
     with pytest.raises(InvalidArgumentError, match="unknown option"):
         make_schedule("enp", p, 2, fill_bubbles=True)

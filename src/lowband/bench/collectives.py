@@ -25,6 +25,7 @@ import torch
 import lowband
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.topology import DynamicTopology
 
 OpFn = Callable[[torch.Tensor, int], None]
 OpFactory = Callable[[Group, dict[str, Any]], OpFn]
@@ -45,16 +46,10 @@ def collective_names() -> list[str]:
 
 
 def _topology(name: str, size: int, step: int) -> Any:
-    from lowband import topology as topo
+    from lowband.topology.names import MACHINE_TOPOLOGIES, build_topology
 
-    static = {"ring": topo.ring, "exp2": topo.exponential_two, "full": topo.fully_connected}
-    if name in static:
-        return static[name](size)
-    if name == "dynamic-exp2":
-        return topo.dynamic_one_peer_exponential_two(size).at(step)
-    raise InvalidArgumentError(
-        f"lowband bench: unknown topology {name!r}; use one of ring, exp2, full, dynamic-exp2"
-    )
+    t = build_topology("lowband bench", name, MACHINE_TOPOLOGIES, size, 1)
+    return t.at(step) if isinstance(t, DynamicTopology) else t
 
 
 @register_collective("allreduce", "ring allreduce (average) over all ranks")

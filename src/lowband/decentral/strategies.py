@@ -16,7 +16,6 @@ The topology check runs on a strategy's first step only; the layer layout is che
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -32,41 +31,14 @@ from lowband.group import Group
 from lowband.runtime import current
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
-from lowband.topology import (
-    DynamicTopology,
-    Topology,
-    dynamic_inner_outer_exponential_two,
-    dynamic_one_peer_exponential_two,
-    exponential_two,
-    fully_connected,
-    ring,
-)
-
-#: topology names -> builder(size, local_size)
-TOPOLOGIES: dict[str, Callable[[int, int], Topology | DynamicTopology]] = {
-    "ring": lambda n, _ls: ring(n),
-    "exp2": lambda n, _ls: exponential_two(n),
-    "dynamic-exp2": lambda n, _ls: dynamic_one_peer_exponential_two(n),
-    "inner-outer-exp2": dynamic_inner_outer_exponential_two,
-    "full": lambda n, _ls: fully_connected(n),
-}
-MACHINE_TOPOLOGIES = ("ring", "exp2", "dynamic-exp2", "full")
-STATIC_TOPOLOGIES = ("ring", "exp2", "full")
+from lowband.topology import Topology
+from lowband.topology.names import MACHINE_TOPOLOGIES, STATIC_TOPOLOGIES, TOPOLOGIES, build_topology
 
 
 def _check_int(where: str, what: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidArgumentError(f"{where}: {what} must be an int >= {minimum}, got {value!r}")
     return value
-
-
-def build_topology(
-    where: str, name: object, allowed: tuple[str, ...], size: int, local_size: int
-) -> Topology | DynamicTopology:
-    """The topology registered as ``name`` over ``size`` ranks (machines of ``local_size`` ranks)."""
-    if not isinstance(name, str) or name not in allowed:
-        raise InvalidArgumentError(f"{where}: topology must be one of {list(allowed)}, got {name!r}")
-    return TOPOLOGIES[name](size, local_size)
 
 
 class DecentralStrategy(Strategy):

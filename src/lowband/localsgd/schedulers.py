@@ -16,7 +16,6 @@ Whatever the objective, a ``Schedule``'s ``predicted_*`` fields are event-model 
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -28,6 +27,7 @@ from lowband.localsgd.costmodel import CostProfile, eq8_set_cost, iteration_time
 from lowband.localsgd.intervals import INTERVAL_OBJECTIVES, IntervalCosts
 from lowband.localsgd.schedule import Schedule, check_period
 from lowband.localsgd.search import schedule_dreamddp_ls
+from lowband.registry import Registry
 
 SetCost = Callable[[CostProfile, Iterable[int]], float]
 SET_COSTS: dict[str, SetCost] = {"event": iteration_time, "eq8": eq8_set_cost}
@@ -161,32 +161,24 @@ def schedule_full(profile: CostProfile, H: int) -> Schedule:
 
 Scheduler = Callable[..., Schedule]
 
-# name -> scheduler(profile, H, **keyword options)
-SCHEDULERS: dict[str, Scheduler] = {
-    "dreamddp": schedule_dreamddp,
-    "optimal": schedule_optimal,
-    "bruteforce": schedule_bruteforce,
-    "enp": schedule_enp,
-    "full": schedule_full,
-    "dreamddp-ls": schedule_dreamddp_ls,
-}
+#: name -> scheduler(profile, H, **keyword options)
+SCHEDULERS: Registry[Scheduler] = Registry("scheduler")
+SCHEDULERS.register("dreamddp", schedule_dreamddp, "DreamDDP's Algorithm 2, with bubble filling")
+SCHEDULERS.register("optimal", schedule_optimal, "the exact optimum over consecutive intervals")
+SCHEDULERS.register("bruteforce", schedule_bruteforce, "every cut enumerated (a check of optimal)")
+SCHEDULERS.register("enp", schedule_enp, "equal numbers of layers per iteration")
+SCHEDULERS.register("full", schedule_full, "every layer in the last iteration (FLSGD's one averaging)")
+SCHEDULERS.register(
+    "dreamddp-ls", schedule_dreamddp_ls, "Algorithm 2 refined by local search, then bubble filling"
+)
 
 
 def scheduler_names() -> list[str]:
-    return sorted(SCHEDULERS)
+    return SCHEDULERS.names()
 
 
 def make_schedule(method: str, profile: CostProfile, H: int, **kw: Any) -> Schedule:
     """The schedule of the registered scheduler ``method`` (``SCHEDULERS``) for ``profile`` and period ``H``."""
-    fn = SCHEDULERS.get(method) if isinstance(method, str) else None
-    if fn is None:
-        raise InvalidArgumentError(
-            f"make_schedule: unknown method {method!r}; available: {scheduler_names()}"
-        )
-    accepted = {p.name for p in inspect.signature(fn).parameters.values() if p.kind == p.KEYWORD_ONLY}
-    unknown = sorted(set(kw) - accepted)
-    if unknown:
-        raise InvalidArgumentError(
-            f"make_schedule({method!r}): unknown option(s) {unknown}; it takes {sorted(accepted) or 'none'}"
-        )
+    fn = SCHEDULERS.get(method, "make_schedule")
+    SCHEDULERS.check_options(method, kw, f"make_schedule({method!r})")
     return fn(profile, H, **kw)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -10,32 +9,27 @@ from torch import nn
 
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.registry import Registry
 from lowband.runtime import world_group
 from lowband.strategies.base import OptimizerFactory, Strategy
 
 StrategyFactory = Callable[..., Strategy]
 
-_REGISTRY: dict[str, tuple[StrategyFactory, str]] = {}
+#: every strategy: ``factory(model, make_optimizer, group, **options) -> Strategy``
+STRATEGIES: Registry[StrategyFactory] = Registry("strategy")
 
 
 def register_strategy(name: str, description: str) -> Callable[[StrategyFactory], StrategyFactory]:
     """Class/function decorator: ``factory(model, make_optimizer, group, **options) -> Strategy``."""
-
-    def deco(factory: StrategyFactory) -> StrategyFactory:
-        if name in _REGISTRY:
-            raise InvalidArgumentError(f"register_strategy: {name!r} is already registered")
-        _REGISTRY[name] = (factory, description)
-        return factory
-
-    return deco
+    return STRATEGIES.registering(name, description)
 
 
 def strategy_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return STRATEGIES.names()
 
 
 def describe_strategies() -> dict[str, str]:
-    return {k: v[1] for k, v in sorted(_REGISTRY.items())}
+    return STRATEGIES.descriptions()
 
 
 def parse_strategy_spec(spec: str) -> tuple[str, dict[str, Any]]:
@@ -67,16 +61,7 @@ def make_strategy(
     **options: Any,
 ) -> Strategy:
     """Build the strategy registered as ``name`` on this rank (after :func:`lowband.init`)."""
-    if name not in _REGISTRY:
-        raise InvalidArgumentError(f"unknown strategy {name!r}; available: {', '.join(strategy_names())}")
-    factory = _REGISTRY[name][0]
-    accepted = {
-        p.name for p in list(inspect.signature(factory).parameters.values())[3:] if p.kind == p.KEYWORD_ONLY
-    }
-    unknown = sorted(set(options) - accepted)
-    if unknown:
-        raise InvalidArgumentError(
-            f"strategy {name!r}: unknown option(s) {unknown}; it takes {sorted(accepted) or 'no options'}"
-        )
+    factory = STRATEGIES.get(name)
+    STRATEGIES.check_options(name, options)
     _, g = world_group(group, f"make_strategy({name!r})")
     return factory(model, make_optimizer, g, **options)

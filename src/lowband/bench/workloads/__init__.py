@@ -36,26 +36,29 @@ from lowband.bench.workloads.text import CharLMWorkload
 from lowband.bench.workloads.vision import ImageWorkload
 from lowband.bench.workloads.wordlm import WordLMWorkload
 from lowband.errors import InvalidArgumentError
+from lowband.registry import Registry
 
-_REGISTRY: dict[str, Callable[..., Workload]] = {
-    "fmnist-cnn": functools.partial(ImageWorkload, "cnn", "fmnist-cnn"),
-    "fmnist-resnet": functools.partial(ImageWorkload, "resnet", "fmnist-resnet"),
-    "shakespeare-gpt": CharLMWorkload,
-    "wordlm": WordLMWorkload,
-    "linreg": LinRegWorkload,
-}
+#: name -> workload factory(**options)
+WORKLOADS: Registry[Callable[..., Workload]] = Registry("workload")
+WORKLOADS.register(
+    "fmnist-cnn", functools.partial(ImageWorkload, "cnn", "fmnist-cnn"), "CNN on Fashion-MNIST"
+)
+WORKLOADS.register(
+    "fmnist-resnet", functools.partial(ImageWorkload, "resnet", "fmnist-resnet"), "ResNet on Fashion-MNIST"
+)
+WORKLOADS.register("shakespeare-gpt", CharLMWorkload, "character GPT on Shakespeare")
+WORKLOADS.register("wordlm", WordLMWorkload, "word-level language model")
+WORKLOADS.register("linreg", LinRegWorkload, "linear regression with a closed-form optimum")
 
 
 def workload_names() -> list[str]:
     """The registered workload names, sorted."""
-    return sorted(_REGISTRY)
+    return WORKLOADS.names()
 
 
 def get_workload(name: str, **options: Any) -> Workload:
     """The workload registered as ``name``, built with keyword ``options`` (e.g. ``dataset="digits"``)."""
-    factory = _REGISTRY.get(name)
-    if factory is None:
-        raise InvalidArgumentError(f"unknown workload {name!r}; choose one of {', '.join(workload_names())}")
+    factory = WORKLOADS.get(name)
     signature = inspect.signature(factory)
     try:
         signature.bind(**options)
@@ -68,6 +71,7 @@ def get_workload(name: str, **options: Any) -> Workload:
 
 
 __all__ = [
+    "WORKLOADS",
     "Batch",
     "CharLMWorkload",
     "DatasetUnavailableError",

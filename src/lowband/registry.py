@@ -1,0 +1,90 @@
+"""Registries: names to items (strategy factories, schedulers, workloads, compressors), so that the
+bench and the CLI never switch on strings, and an unknown name is one clear error listing the known."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Generic, TypeVar
+
+from lowband.errors import InvalidArgumentError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Named items of one ``kind`` ("strategy", "scheduler", ...), each with a one-line description.
+
+    Iterating yields the names (sorted); ``name in registry`` tests one.
+    """
+
+    def __init__(self, kind: str, items: Mapping[str, T] | None = None) -> None:
+        self.kind = kind
+        self._items: dict[str, tuple[T, str]] = {}
+        for name, item in (items or {}).items():
+            self.register(name, item)
+
+    def register(self, name: str, item: T, description: str = "") -> T:
+        """Add ``item`` as ``name`` (a name is registered once); returns ``item``."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError(
+                f"register {self.kind}: the name must be a non-empty str, got {name!r}"
+            )
+        if name in self._items:
+            raise InvalidArgumentError(f"register {self.kind}: {name!r} is already registered")
+        self._items[name] = (item, description)
+        return item
+
+    def registering(self, name: str, description: str = "") -> Callable[[T], T]:
+        """Decorator form of :meth:`register`."""
+
+        def deco(item: T) -> T:
+            return self.register(name, item, description)
+
+        return deco
+
+    def get(self, name: object, where: str | None = None) -> T:
+        """The item registered as ``name``, or :class:`InvalidArgumentError` listing the known names
+        (prefixed by ``where``, the caller's label)."""
+        entry = self._items.get(name) if isinstance(name, str) else None
+        if entry is None:
+            at = f"{where}: " if where else ""
+            raise InvalidArgumentError(
+                f"{at}unknown {self.kind} {name!r}; known: {', '.join(self.names()) or 'none'}"
+            )
+        return entry[0]
+
+    def names(self) -> list[str]:
+        return sorted(self._items)
+
+    def descriptions(self) -> dict[str, str]:
+        """``name -> description``, sorted by name."""
+        return {k: self._items[k][1] for k in self.names()}
+
+    def check_options(self, name: str, options: Mapping[str, Any], where: str | None = None) -> None:
+        """Raise unless every key of ``options`` is a keyword-only parameter of the (callable) item."""
+        fn = self.get(name, where)
+        assert callable(fn)
+        params = inspect.signature(fn).parameters.values()
+        accepted = sorted(p.name for p in params if p.kind == p.KEYWORD_ONLY)
+        unknown = sorted(set(options) - set(accepted))
+        if unknown:
+            at = where or f"{self.kind} {name!r}"
+            raise InvalidArgumentError(
+                f"{at}: unknown option(s) {unknown}; it takes {accepted or 'no options'}"
+            )
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}: {', '.join(self.names())})"

@@ -1,0 +1,43 @@
+"""Topologies by name: the one list that strategies, the bench and the command line choose from."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lowband.errors import InvalidArgumentError
+from lowband.registry import Registry
+from lowband.topology.builders import exponential_two, fully_connected, ring
+from lowband.topology.dynamic import (
+    DynamicTopology,
+    dynamic_inner_outer_exponential_two,
+    dynamic_one_peer_exponential_two,
+)
+from lowband.topology.graph import Topology
+
+#: ``builder(size, local_size)``: a topology over ``size`` ranks on machines of ``local_size`` ranks
+TopologyBuilder = Callable[[int, int], Topology | DynamicTopology]
+
+TOPOLOGIES: Registry[TopologyBuilder] = Registry("topology")
+TOPOLOGIES.register("ring", lambda n, _ls: ring(n), "bidirectional ring")
+TOPOLOGIES.register("exp2", lambda n, _ls: exponential_two(n), "static exponential-2 graph")
+TOPOLOGIES.register(
+    "dynamic-exp2", lambda n, _ls: dynamic_one_peer_exponential_two(n), "one exponential-2 peer per round"
+)
+TOPOLOGIES.register(
+    "inner-outer-exp2", dynamic_inner_outer_exponential_two, "dynamic, within and across machines"
+)
+TOPOLOGIES.register("full", lambda n, _ls: fully_connected(n), "every rank with every other")
+
+#: the names that make sense over machines (hierarchical averaging), and the static ones
+MACHINE_TOPOLOGIES = ("ring", "exp2", "dynamic-exp2", "full")
+STATIC_TOPOLOGIES = ("ring", "exp2", "full")
+
+
+def build_topology(
+    where: str, name: object, allowed: tuple[str, ...], size: int, local_size: int
+) -> Topology | DynamicTopology:
+    """The topology registered as ``name`` (one of ``allowed``) over ``size`` ranks (machines of
+    ``local_size`` ranks)."""
+    if not isinstance(name, str) or name not in allowed:
+        raise InvalidArgumentError(f"{where}: topology must be one of {list(allowed)}, got {name!r}")
+    return TOPOLOGIES.get(name, where)(size, local_size)
