@@ -85,8 +85,9 @@ class Posted:
 
     __slots__ = ("expect", "lock", "out", "rows", "where", "work")
 
-    def __init__(self, work: Any, out: torch.Tensor, expect: Node, where: str) -> None:
-        self.work, self.out, self.expect, self.where = work, out, expect, where
+    def __init__(self, out: torch.Tensor, expect: Node, where: str) -> None:
+        self.out, self.expect, self.where = out, expect, where
+        self.work: Any = None  # the allgather, once posted (right after the op's data is issued)
         self.rows: list[list[int]] | None = None
         self.lock = threading.Lock()
 
@@ -125,15 +126,28 @@ class ControlState:
 
     # -- rows posted without waiting ------------------------------------------------------------
     def post_predicted(self, g: Group, node: Node, where: str) -> Posted:
-        """Post this rank's row (marked FAST) without waiting; the caller issues the data at once."""
-        out = torch.empty(g.size * len(node.mine), dtype=torch.int64)
-        work = g.control_pg._allgather_base(out, node.fast_row())
-        p = Posted(work, out, node, where)
+        """Take the predicted path: this rank's row (marked FAST) is posted without waiting by
+        :meth:`post`, right after the caller has issued the op's data (so that the control op never
+        delays the data op's start)."""
+        self.flush(g)
+        p = Posted(torch.empty(g.size * len(node.mine), dtype=torch.int64), node, where)
         with self.lock:
             self.posted.append(p)
             self.last = node
             self.predicted += 1
         return p
+
+    @staticmethod
+    def post(p: Posted, g: Group) -> None:
+        if p.work is None:
+            p.work = g.control_pg._allgather_base(p.out, p.expect.fast_row())
+
+    def flush(self, g: Group) -> None:
+        """Post any row taken and not yet posted (an op that failed between its check and its
+        issue), so that the control allgathers stay in the same order on every rank."""
+        if self.posted and self.posted[-1].work is None:
+            for p in list(self.posted):
+                self.post(p, g)
 
     def verify(self, p: Posted, g: Group, timeout: float) -> None:
         """Wait (bounded) for a posted row's table; raise :class:`CollectiveMismatchError` (and mark
@@ -158,7 +172,7 @@ class ControlState:
     def drain(self, g: Group, timeout: float) -> None:
         """Verify the posted rows whose tables are complete (never blocks)."""
         while self.posted:
-            done = [p for p in list(self.posted) if p.work.is_completed()]
+            done = [p for p in list(self.posted) if p.work is not None and p.work.is_completed()]
             if not done:
                 return
             for p in done:
@@ -166,6 +180,7 @@ class ControlState:
 
     def settle(self, g: Group, timeout: float) -> None:
         """Verify every posted row (bounded wait)."""
+        self.flush(g)
         while self.posted:
             self.verify(self.posted[0], g, timeout)
 
@@ -243,7 +258,12 @@ class Prediction:
     posted: Posted
     group: Group
 
+    def post(self) -> None:
+        """Post this rank's row (call right after issuing the op's data works)."""
+        self.state.post(self.posted, self.group)
+
     def watch(self, works: list[Any]) -> list[Any]:
+        """The op's works, watched (a lone guard when the op moves no data)."""
         if not works:
             return [Guard(self.state, self.posted, self.group)]
         return [Watched(w, self.state, self.posted, self.group) for w in works]
