@@ -192,13 +192,6 @@ def describe(row: list[int], args: bool = False) -> str:
     return f"{op} of a {dt} tensor of shape {shape}" + (_arg_text(op, row[F_ARG]) if args else "")
 
 
-def exchange(group: Group, sig: torch.Tensor, timeout: float) -> torch.Tensor:
-    """Allgather every rank's signature (waiting): a ``[group.size, len(sig)]`` int64 table."""
-    op = {v: k for k, v in OP_CODES.items()}.get(int(sig[F_OP]), "op")
-    rows = control.exchange(group, sig, f"lowband.{op} on rank {group.world_rank}", timeout)
-    return torch.tensor(rows, dtype=torch.int64)
-
-
 def check(
     op: str,
     g: Group,
