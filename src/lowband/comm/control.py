@@ -18,6 +18,7 @@ import collections
 import datetime
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,7 @@ class ControlState:
     """What one rank knows about one control process group (see the module docstring)."""
 
     def __init__(self, pg: Any) -> None:
-        self.pg = pg
+        self.pg = weakref.ref(pg)  # never keeps a freed group's process group alive
         self.lock = threading.Lock()
         self.root = Node((), ())
         self.last = self.root
@@ -277,7 +278,9 @@ def state_of(g: Group) -> ControlState:
     states: dict[int, ControlState] = ctx.state.setdefault(__name__, {})
     pg = g.control_pg
     st = states.get(id(pg))
-    if st is None or st.pg is not pg:
+    if st is None or st.pg() is not pg:
+        for key in [k for k, v in states.items() if v.pg() is None]:
+            del states[key]  # states of freed process groups
         st = states[id(pg)] = ControlState(pg)
     return st
 
