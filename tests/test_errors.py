@@ -268,23 +268,36 @@ def test_mismatch_then_recovers() -> None:
 
 
 def test_recv_mismatch() -> None:
-    def rank_fn() -> str:
-        if lowband.rank() == 0:
-            h = lowband.isend(torch.ones(3), 1)
-            with pytest.raises(
-                lowband.CommTimeoutError, match=r"lowband\.send on rank 0: no completion within 2 s"
-            ):
-                h.wait()  # the receiver refused the data
-            return "sender timed out"
-        with pytest.raises(lowband.CollectiveMismatchError) as ei:
-            lowband.recv(torch.zeros(4), 0)
-        return str(ei.value)
+    """Both sides of a mismatched send/recv raise at once (well inside the timeout), each showing both full
+    shapes and dtypes, and the pair can go on communicating afterwards."""
 
-    out = run_threads(rank_fn, 2, comm_timeout=2, timeout=30)
-    assert out[1] == (
-        "lowband.recv on rank 1: rank 0 sent a float32 tensor of shape (3,) (tag 0) but this rank posted a "
-        "receive for a float32 tensor of shape (4,)"
+    def rank_fn() -> tuple[str, float, list[float]]:
+        t0 = time.monotonic()
+        if lowband.rank() == 0:
+            h = lowband.isend(torch.ones(2, 3, 5, 7, 11, 13, 17), 1)
+            with pytest.raises(lowband.CollectiveMismatchError) as ei:
+                h.wait()  # the receiver refuses the data
+        else:
+            with pytest.raises(lowband.CollectiveMismatchError) as ei:
+                lowband.recv(torch.zeros(2, 3, 5, 7, 11, 13, 19, dtype=torch.float64), 0)
+        waited = time.monotonic() - t0
+        if lowband.rank() == 0:
+            lowband.send(torch.arange(3.0), 1)
+            return str(ei.value), waited, []
+        return str(ei.value), waited, lowband.recv(torch.zeros(3), 0).tolist()
+
+    out = run_threads(rank_fn, 2, comm_timeout=30, timeout=60)
+    sent = "a float32 tensor of shape (2, 3, 5, 7, 11, 13, 17)"
+    posted = "a float64 tensor of shape (2, 3, 5, 7, 11, 13, 19)"
+    assert out[0][0] == (
+        f"lowband.send on rank 0 (to rank 1, tag 0): the receiver posted a receive for {posted} "
+        f"but this rank sent {sent}"
     )
+    assert out[1][0] == (
+        f"lowband.recv on rank 1: rank 0 sent {sent} (tag 0) but this rank posted a receive for {posted}"
+    )
+    assert max(out[0][1], out[1][1]) < 15, "the sender waited for its timeout"
+    assert out[1][2] == [0.0, 1.0, 2.0]
 
 
 def test_missing_peer_times_out() -> None:

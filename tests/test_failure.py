@@ -6,12 +6,16 @@ These use real processes (a rank must really die), so they cost a few seconds ea
 from __future__ import annotations
 
 import os
+import re
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import lowband
+from lowband.launcher import failure_report
 from lowband.testing import RankFailures, run_processes
 
 COMM_TIMEOUT = 10.0
@@ -92,13 +96,66 @@ def test_run_processes_surfaces_exceptions() -> None:
     assert "ValueError: rank 1 was told to fail" in ei.value.errors[1]
 
 
-def test_launch_reports_failed_rank() -> None:
-    with pytest.raises(lowband.LowbandError, match=r"rank 1 .*ValueError.*rank 1 was told to fail"):
-        lowband.launch(_fail_on_rank, 2, (1,), init_kwargs={"timeout": COMM_TIMEOUT})
+def _fail_while_peers_wait(bad: int) -> int:
+    lowband.barrier()
+    if lowband.rank() == bad:
+        raise ValueError(f"rank {bad} was told to fail")
+    lowband.allreduce(torch.ones(3))  # fails on the others once rank `bad` is gone: a follow-on error
+    return lowband.rank()
+
+
+def test_launch_reports_root_cause_first() -> None:
+    """The rank that raised is reported first, with its traceback, before the others' follow-on errors."""
+    with pytest.raises(lowband.LowbandError) as ei:
+        lowband.launch(_fail_while_peers_wait, 2, (1,), init_kwargs={"timeout": COMM_TIMEOUT})
+    msg = str(ei.value)
+    assert re.match(
+        r"lowband\.launch: rank 1 failed \([^)]*\): ValueError: rank 1 was told to fail\n", msg
+    ), msg
+    assert "in _fail_while_peers_wait" in msg  # the root cause's traceback
+    assert "\nthen: rank 0 " in msg, msg
 
 
 def test_launch_dead_rank_bounded() -> None:
+    """A rank that exits without a Python error is the root cause, not the others' CommFailedError."""
     t0 = time.monotonic()
-    with pytest.raises(lowband.LowbandError, match=r"lowband\.launch: rank"):
+    with pytest.raises(
+        lowband.LowbandError, match=r"^lowband\.launch: rank 2 failed \(exit code 7\): exited"
+    ):
         lowband.launch(_exit_on_rank, 3, (2,), init_kwargs={"timeout": COMM_TIMEOUT})
     assert time.monotonic() - t0 < 60
+
+
+def _failure(tmp_path: Path, rank: int, exitcode: int) -> Any:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    return ProcessFailure(rank, 1000 + rank, exitcode, str(tmp_path / f"none{rank}.json"))
+
+
+def _report(error: str, when: float, follow_on: bool = False) -> dict[str, Any]:
+    return {"error": error, "traceback": f"Traceback: {error}", "time": when, "follow_on": follow_on}
+
+
+def test_failure_report_orders_root_causes(tmp_path: Path) -> None:
+    """The earliest error that is not a follow-on comes first, whatever the ranks, their times, and
+    which ranks torch saw fail (rank 3 was stopped before it exited: only its report knows)."""
+    failures = {0: _failure(tmp_path, 0, 1), 1: _failure(tmp_path, 1, -15), 2: _failure(tmp_path, 2, 1)}
+    reports = {
+        0: _report("CommFailedError: lowband.allreduce on rank 0 failed", 100.0, follow_on=True),
+        2: _report("KeyError: 'late'", 100.5),
+        3: _report("ValueError: first", 100.2),
+    }
+    msg = failure_report(failures, reports)
+    assert msg.startswith(
+        "lowband.launch: rank 3 failed (stopped by the launcher): ValueError: first\nTraceback: ValueError: first\nthen: "
+    ), msg
+    assert "rank 0 (exit code 1): CommFailedError: lowband.allreduce on rank 0 failed; " in msg
+    assert "rank 1 (exit code -15: signal SIGTERM): stopped by signal SIGTERM; " in msg
+    assert msg.endswith("rank 2 (exit code 1): KeyError: 'late'")
+    # a rank that exited without a report (os._exit, a crash) is a root cause; follow-ons are not
+    msg = failure_report(
+        {0: _failure(tmp_path, 0, 7)}, {1: _report("CommTimeoutError: t", 1.0, follow_on=True)}
+    )
+    assert msg.startswith(
+        "lowband.launch: rank 0 failed (exit code 7): exited with code 7 before reporting"
+    ), msg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -91,6 +92,23 @@ def _env_ranks() -> tuple[int, int, int, int, float]:
     return lowband.rank(), lowband.size(), lowband.local_rank(), lowband.local_size(), s
 
 
+def store_listeners() -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) listening on this rank's store port (MASTER_PORT)."""
+    port = int(os.environ["MASTER_PORT"])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            addr, hexport = fields[1].rsplit(":", 1)
+            if fields[3] == "0A" and int(hexport, 16) == port:
+                out.append(addr)
+    return out
+
+
+def _env_ranks_and_store() -> tuple[tuple[int, int, int, int, float], list[str]]:
+    return _env_ranks(), store_listeners()
+
+
 def test_init_from_env_processes() -> None:
     """env:// initialisation (what torchrun provides), with real processes."""
     out = run_processes(_env_ranks, 3, timeout=90)
@@ -98,8 +116,10 @@ def test_init_from_env_processes() -> None:
 
 
 def test_launch() -> None:
-    out = lowband.launch(_env_ranks, 2)
-    assert out == [(0, 2, 0, 2, 1.0), (1, 2, 1, 2, 1.0)]
+    """launch runs the ranks; their store listens on 127.0.0.1 only (0100007F), not on every interface."""
+    out = lowband.launch(_env_ranks_and_store, 2)
+    assert [o[0] for o in out] == [(0, 2, 0, 2, 1.0), (1, 2, 1, 2, 1.0)]
+    assert [o[1] for o in out] == [["0100007F"]] * 2
 
 
 SCRIPT = """
@@ -108,6 +128,9 @@ lowband.init()
 s = lowband.allreduce(torch.tensor([float(lowband.rank())]), op="sum").item()
 line = f"RESULT rank={lowband.rank()} size={lowband.size()} local_size={lowband.local_size()} sum={s} args={sys.argv[2:]}"
 open(f"{sys.argv[1]}/out{lowband.rank()}.txt", "w").write(line)
+sys.path.insert(0, sys.argv[1])
+from listeners import store_listeners
+open(f"{sys.argv[1]}/store{lowband.rank()}.txt", "w").write(repr(store_listeners()))
 lowband.shutdown()
 """
 
@@ -116,6 +139,11 @@ lowband.shutdown()
 def test_cli_run_and_torchrun(tmp_path: Path, launcher: str) -> None:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
+    import inspect
+
+    (tmp_path / "listeners.py").write_text(
+        "import os\nfrom pathlib import Path\n\n\n" + inspect.getsource(store_listeners)
+    )
     if launcher == "lowband":
         cmd = [str(BIN / "lowband"), "run", "-n", "3", str(script), str(tmp_path), "--flag", "x"]
     else:
@@ -133,6 +161,8 @@ def test_cli_run_and_torchrun(tmp_path: Path, launcher: str) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [(tmp_path / f"out{r}.txt").read_text() for r in range(3)]
     assert lines == [f"RESULT rank={r} size=3 local_size=3 sum=3.0 args=['--flag', 'x']" for r in range(3)]
+    if launcher == "lowband":  # a single-machine launch: its store on 127.0.0.1 only
+        assert [(tmp_path / f"store{r}.txt").read_text() for r in range(3)] == ["['0100007F']"] * 3
 
 
 def test_cli_run_failure_exit_code(tmp_path: Path) -> None:
@@ -165,3 +195,183 @@ def test_ring_example_oracle_in_threads() -> None:
     for n in (1, 2, 3, 4):
         res = run_threads(ring_average, n, 6, 257)
         assert all(x["max_err_vs_oracle"] < 1e-12 and x["mean_err"] < 1e-12 for x in res)
+
+
+def _fds_and_threads() -> tuple[int, int]:
+    """Open file descriptors and OS threads (gloo's threads are not Python threads) of this process."""
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def test_destroy_group_frees_fds_and_threads() -> None:
+    """Each group holds connections and threads on every member until destroyed; destroying frees them
+    (without it, 6 groups on 3 ranks keep ~200 descriptors), and a destroyed group refuses ops."""
+
+    def rank_fn() -> tuple[tuple[int, int], tuple[int, int], str]:
+        lowband.barrier()
+        before = _fds_and_threads()
+        lowband.barrier()
+        for _ in range(6):
+            g = lowband.new_group([0, 1, 2])
+            assert g is not None
+            assert lowband.allreduce(torch.ones(2), op="sum", group=g).tolist() == [3.0, 3.0]
+            lowband.destroy_group(g)
+            lowband.destroy_group(g)  # again: nothing
+        lowband.barrier()
+        after = _fds_and_threads()
+        with pytest.raises(lowband.InvalidArgumentError) as ei:
+            lowband.allreduce(torch.ones(2), group=g.unchecked())
+        return before, after, str(ei.value)
+
+    before, after, msg = run_threads(rank_fn, 3)[0]
+    assert after[0] <= before[0] + 3, f"file descriptors grew from {before[0]} to {after[0]}"
+    assert after[1] <= before[1] + 1, f"threads grew from {before[1]} to {after[1]}"
+    assert re.fullmatch(
+        r"lowband\.allreduce on rank 0: group 'group\d+' was destroyed \(lowband\.destroy_group\)", msg
+    )
+
+
+EXIT_SCRIPT = """
+import torch, lowband
+import lowband.compat.bluefog.torch as bf
+bf.init()
+r, n = lowband.rank(), lowband.size()
+x = torch.full((100,), float(r))
+for _ in range(5):
+    x = bf.neighbor_allreduce(x)
+g = lowband.new_group([0, 1])
+if g is not None:
+    lowband.allreduce(torch.ones(2), group=g)
+# a receive that nobody answers, with a continuation: its watcher thread is inside gloo at exit
+pending = lowband.irecv(torch.empty(3), (r + 1) % n, tag=7).then(lambda t: t)
+print("done", r, flush=True)
+"""
+
+
+def _run_ranks(
+    script: Path, n: int, extra_env: dict[str, str], timeout: float
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``script`` as ``n`` ranks (plain processes; this process hosts their store on 127.0.0.1)."""
+    from lowband.launcher import loopback_store
+
+    store, port = loopback_store()
+    env = dict(
+        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
+    )
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", **extra_env)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(n)
+    ]  # fmt: skip
+    try:
+        return [subprocess.CompletedProcess(p.args, p.wait(timeout), *p.communicate()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        del store
+
+
+def test_exit_without_shutdown_is_clean(tmp_path: Path) -> None:
+    """A script that ends without lowband.shutdown() exits with 0 on every rank, several times over:
+    lowband closes its groups at exit and waits for its threads, so none wakes inside gloo while the
+    interpreter finalizes (which aborted the process: "terminate called without an active exception")."""
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(EXIT_SCRIPT)
+    for attempt in range(2):
+        runs = _run_ranks(script, 3, {"LOWBAND_TIMEOUT": "60"}, timeout=120)
+        for r, run in enumerate(runs):
+            assert run.returncode == 0 and f"done {r}" in run.stdout, (
+                f"attempt {attempt}, rank {r}: {run.returncode}\n{run.stderr[-2000:]}"
+            )
+            assert "terminate called" not in run.stderr
+
+
+def test_init_names_missing_ranks(tmp_path: Path) -> None:
+    """A rank that never starts: the others say which rank did not join, within their timeout."""
+    script = tmp_path / "join.py"
+    script.write_text("import lowband\nlowband.init()\n")
+    from lowband.launcher import loopback_store
+
+    store, port = loopback_store()
+    env = dict(
+        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="3", LOWBAND_TIMEOUT="4"
+    )
+    env.update(TORCHELASTIC_USE_AGENT_STORE="True")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)], env=dict(env, RANK=str(r)), stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 2)
+    ]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    del store
+    for r, err in zip((0, 2), errs, strict=True):
+        assert (
+            f"lowband.errors.CommTimeoutError: lowband.init on rank {r}: rank(s) [1] of 3 did not join within 4 s"
+            in err
+        ), err
+        assert "frame #" not in err  # no C++ stack dump
+
+
+def test_init_store_unreachable(tmp_path: Path) -> None:
+    """No store at MASTER_ADDR:MASTER_PORT (rank 0, its host, never started): said so, without a stack dump."""
+    env = dict(
+        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(lowband.testing.free_port()), WORLD_SIZE="2"
+    )
+    env.update(RANK="1", LOWBAND_TIMEOUT="2")
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    out = subprocess.run(
+        [sys.executable, "-c", "import lowband; lowband.init()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0
+    assert re.search(
+        r"lowband\.init on rank 1: cannot reach the rendezvous store at 127\.0\.0\.1:\d+, hosted by rank 0",
+        out.stderr,
+    ), out.stderr
+    assert "frame #" not in out.stderr
+
+
+def test_launch_refuses_unguarded_main(tmp_path: Path) -> None:
+    """lowband.launch called at the top of a script (no main guard) says so, and how to fix it, at once."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("import lowband\n\n\ndef fn():\n    return 1\n\n\nprint(lowband.launch(fn, 2))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert (
+        f'lowband.launch: called at line 8 of {script} outside an `if __name__ == "__main__":` block'
+        in out.stderr
+    ), out.stderr
+    guarded = tmp_path / "guarded.py"
+    guarded.write_text(
+        "import lowband\n\n\ndef fn():\n    return 1\n\n\nif __name__ == '__main__':\n    lowband.launch(fn, 0)\n"
+    )
+    out = subprocess.run([sys.executable, str(guarded)], capture_output=True, text=True, timeout=120)
+    assert "nprocs must be an int >= 1" in out.stderr, out.stderr  # past the guard check
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [(["-n"], "-n needs a number of ranks >= 1, got no value"), (["-n", "0", "x.py"], "got '0'"),
+     (["-n0", "x.py"], "got '0'"), (["--nproc-per-node", "0", "x.py"], "--nproc-per-node needs"),
+     (["--np", "two", "x.py"], "--np needs a number of ranks >= 1, got 'two'")],
+)  # fmt: skip
+def test_cli_run_bad_nprocs(argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from lowband.cli import main
+
+    assert main(["run", *argv]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_init_timeout_validated() -> None:
+    for bad in (0, -1.0, float("nan"), float("inf"), "5", True):
+        with pytest.raises(lowband.InvalidArgumentError, match=r"^lowband\.init: timeout must be"):
+            lowband.init(timeout=bad)  # type: ignore[arg-type]
+    assert not lowband.is_initialized()

@@ -33,9 +33,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not rest or rest[0] in ("-h", "--help"):
             print("usage: lowband run -n N [torchrun options] script.py [script args]")
             return 0 if rest else 2
+        from lowband.errors import InvalidArgumentError
         from lowband.launcher import run_command
 
-        return run_command(rest)
+        try:
+            return run_command(rest)
+        except InvalidArgumentError as exc:
+            print(
+                f"{exc}\nusage: lowband run -n N [torchrun options] script.py [script args]", file=sys.stderr
+            )
+            return 2
     ns = _parser().parse_args(args)
     if ns.cmd == "version":
         import lowband

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,12 @@ class Group:
     #: the cross-rank argument check for ops on this group: None follows the runtime's setting
     check: bool | None = None
     _seq: itertools.count[int] = field(default_factory=itertools.count, repr=False)
+    #: set by ``lowband.destroy_group`` (shared with the :meth:`unchecked` views of this group)
+    _destroyed: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def destroyed(self) -> bool:
+        return self._destroyed.is_set()
 
     @property
     def size(self) -> int:

@@ -2,21 +2,46 @@
 
 Both are built on torch's elastic launcher (``torch.distributed.run`` / ``elastic_launch``), so
 processes, rendezvous, failure detection and clean-up are torch's, not ours: when one rank fails the
-agent stops the others and the failure is reported with that rank's traceback.
+agent stops the others, and the failure is reported with the root cause first (the rank whose own error
+started it, with its traceback), then the ranks that failed after it.
+
+What listens on the network. A launch has one TCP store (torch's key-value store, through which ranks
+rendezvous, and which torch's rendezvous code reads with ``pickle``), then gloo's connections between
+ranks. For single-machine launches (:func:`launch`, and ``lowband run`` without a rendezvous endpoint or
+master address) lowband opens the store itself on a socket bound to 127.0.0.1 and has torch use it (a
+static rendezvous on that address), so nothing on the network can reach it. A multi-host launch
+(``lowband run`` or torchrun with ``--rdzv-endpoint``/``--master-addr``) is torch's: the store listens on
+all interfaces of the host that serves it and any peer that can reach its port can read and write it,
+including values torch unpickles; run such launches only on a trusted network (or a firewalled one
+where only the job's hosts reach the store's port). gloo listens on the interface it resolves for this
+host (``GLOO_SOCKET_IFNAME`` chooses) and carries tensors, not pickles.
 """
 
 from __future__ import annotations
 
+import ast
+import json
 import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from lowband.errors import InvalidArgumentError, LowbandError
 
+_GUARD = 'if __name__ == "__main__":'
+
 
 def _entry(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], init_kwargs: dict[str, Any]
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    init_kwargs: dict[str, Any],
+    report_dir: str,
 ) -> Any:
     import torch
 
@@ -24,11 +49,169 @@ def _entry(
 
     if os.environ.get("LOWBAND_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["LOWBAND_NUM_THREADS"]))
-    lowband.init(**init_kwargs)
     try:
+        lowband.init(**init_kwargs)
         return fn(*args, **kwargs)
+    except BaseException as exc:
+        if not (isinstance(exc, SystemExit) and not exc.code):
+            _report(report_dir, exc)
+        raise
     finally:
         lowband.shutdown()
+
+
+def _report(report_dir: str, exc: BaseException) -> None:
+    """Write this rank's error for :func:`launch`, with its time, *before* shutdown: the peers fail as
+    soon as this rank's connections close, and the agent, seeing them fail, may stop this rank before it
+    exits, leaving it out of torch's list of failures."""
+    from lowband.errors import CommFailedError, CommTimeoutError
+
+    report = {
+        "error": f"{type(exc).__name__}: {exc}",
+        "traceback": traceback.format_exc(),
+        "time": time.time(),
+        "follow_on": isinstance(exc, (CommFailedError, CommTimeoutError)),
+    }
+    rank = os.environ.get("RANK", "0")
+    tmp = os.path.join(report_dir, f".{rank}.json")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f)
+    os.replace(tmp, os.path.join(report_dir, f"{rank}.json"))
+
+
+def loopback_store() -> tuple[Any, int]:
+    """A TCP store server listening on 127.0.0.1 only (a free port), shared with torch's launcher: a
+    store torch opens later in this process on the same port (``multi_tenant``) is this one. Returns
+    ``(store, port)``; the store listens while it is referenced."""
+    import datetime
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port = int(sock.getsockname()[1])
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=600),
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=sock.fileno(),
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the socket now (it closes it)
+    return store, port
+
+
+def _is_main_test(test: ast.expr) -> bool:
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [x for x in sides if isinstance(x, ast.Name) and x.id == "__name__"]
+    mains = [x for x in sides if isinstance(x, ast.Constant) and x.value == "__main__"]
+    return len(names) == 1 and len(mains) == 1
+
+
+def _check_main_guard() -> None:
+    """Refuse a call made while the main script runs outside ``if __name__ == "__main__":``. Ranks are
+    started with the 'spawn' method: each imports the main script again, so such a call would run again
+    in every rank and fail there (where the cause is hard to see)."""
+    import multiprocessing as mp
+    import multiprocessing.spawn as mps
+
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise LowbandError(
+            "lowband.launch: called while a rank process was importing the main script: the call "
+            f"must be under `{_GUARD}` (every rank imports the script again)"
+        )
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not isinstance(path, str):
+        return  # interactive, notebook, ``python -c``: spawn does not rerun anything
+    data = mps.get_preparation_data("lowband")
+    reruns = "init_main_from_path" in data or (
+        "init_main_from_name" in data and not str(data["init_main_from_name"]).endswith("__main__")
+    )
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back  # type: ignore[assignment]
+    if not reruns or frame is None:
+        return
+    line = frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in ast.walk(tree):
+        guard = isinstance(node, ast.If) and _is_main_test(node.test)
+        if guard and node.lineno <= line <= (node.end_lineno or node.lineno):  # type: ignore[attr-defined]
+            return
+    raise InvalidArgumentError(
+        f"lowband.launch: called at line {line} of {path} outside an `{_GUARD}` block. Each rank is a "
+        "new Python process that imports this script ('spawn'), so the call would run again in every "
+        f"rank and fail there. Put the code that launches under `{_GUARD}` (keep fn at module level, "
+        "where the ranks can import it)."
+    )
+
+
+def _read_reports(report_dir: str) -> dict[int, dict[str, Any]]:
+    out: dict[int, dict[str, Any]] = {}
+    for name in os.listdir(report_dir):
+        if name.endswith(".json") and name[:-5].isdigit():
+            with open(os.path.join(report_dir, name), encoding="utf-8") as f:
+                out[int(name[:-5])] = json.load(f)
+    return out
+
+
+def _exit_text(failure: Any) -> str:
+    if failure is None:
+        return "stopped by the launcher"
+    if failure.exitcode < 0:
+        return f"exit code {failure.exitcode}: signal {failure.signal_name()}"
+    return f"exit code {failure.exitcode}"
+
+
+def failure_report(failures: dict[int, Any], reports: dict[int, dict[str, Any]]) -> str:
+    """The launch error: the root cause first, with its traceback, then every other failed rank in one line.
+
+    ``failures`` are torch's (rank -> ``ProcessFailure``: the ranks the agent saw fail); ``reports`` are
+    the errors ranks wrote (rank -> error, traceback, time, follow_on). The root cause is the earliest
+    error that is not a follow-on (a lowband communication failure caused by another rank), or else a
+    rank that exited with a code and no report (``os._exit``, a crash); ranks stopped by a signal and
+    follow-on errors come after it."""
+    ranks = sorted(set(failures) | set(reports))
+
+    def text(r: int) -> str:
+        if r in reports:
+            return str(reports[r]["error"])
+        f = failures[r]
+        if f.exitcode < 0:
+            return f"stopped by signal {f.signal_name()}"
+        return (
+            f"exited with code {f.exitcode} before reporting a Python error (os._exit, a crash, or a "
+            f"failure while the rank started: is the launching code under `{_GUARD}`?)"
+        )
+
+    def root_key(r: int) -> tuple[int, float, int]:
+        if r in reports:
+            return (1 if reports[r]["follow_on"] else 0, float(reports[r]["time"]), r)
+        exited = failures[r].exitcode >= 0
+        return (0 if exited else 2, float(failures[r].timestamp), r)
+
+    root = min(ranks, key=root_key)
+    out = f"lowband.launch: rank {root} failed ({_exit_text(failures.get(root))}): {text(root)}"
+    if root in reports:
+        out += "\n" + str(reports[root]["traceback"]).rstrip()
+    others = [r for r in ranks if r != root]
+    if others:
+        out += "\nthen: " + "; ".join(f"rank {r} ({_exit_text(failures.get(r))}): {text(r)}" for r in others)
+    return out
 
 
 def launch(
@@ -55,40 +238,59 @@ def launch(
         raise InvalidArgumentError(f"lowband.launch: nprocs must be an int >= 1, got {nprocs!r}")
     if not callable(fn):
         raise InvalidArgumentError(f"lowband.launch: fn must be callable, got {type(fn).__name__}")
+    _check_main_guard()
+    store, port = loopback_store()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
         run_id=f"lowband-{uuid.uuid4().hex[:12]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        rdzv_backend="static",
+        rdzv_endpoint=f"127.0.0.1:{port}",
+        rdzv_configs={"rank": 0},
         max_restarts=0,
         monitor_interval=monitor_interval,
         start_method="spawn",
     )
-    env_backup = os.environ.get("LOGLEVEL")
     if quiet:
         import logging
 
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
         logging.getLogger("torch.distributed.launcher").setLevel(logging.ERROR)
-    try:
-        results = elastic_launch(config, _entry)(fn, tuple(args), dict(kwargs or {}), dict(init_kwargs or {}))
-    except ChildFailedError as exc:
-        lines = []
-        for local_rank, failure in sorted(exc.failures.items()):
-            msg = failure.message if isinstance(failure.message, str) else str(failure.message)
-            lines.append(f"rank {local_rank} (exit code {failure.exitcode}): {msg}")
-        raise LowbandError("lowband.launch: " + "; ".join(lines)) from exc
-    finally:
-        if env_backup is not None:
-            os.environ["LOGLEVEL"] = env_backup
+    with tempfile.TemporaryDirectory(prefix="lowband-launch-") as report_dir:
+        try:
+            results = elastic_launch(config, _entry)(
+                fn, tuple(args), dict(kwargs or {}), dict(init_kwargs or {}), report_dir
+            )
+        except ChildFailedError as exc:
+            raise LowbandError(failure_report(exc.failures, _read_reports(report_dir))) from exc
+        finally:
+            del store
     return [results[r] for r in sorted(results)]
 
 
+_NPROCS = ("-n", "--np", "--nprocs")
+_MULTI_HOST = (
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--master-addr",
+    "--master_addr",
+    "--master-port",
+    "--master_port",
+)
+
+
+def _nprocs(flag: str, value: str | None) -> str:
+    if value is None or not value.isdigit() or int(value) < 1:
+        got = "no value" if value is None else repr(value)
+        raise InvalidArgumentError(f"lowband run: {flag} needs a number of ranks >= 1, got {got}")
+    return value
+
+
 def run_command(argv: Sequence[str]) -> int:
-    """``lowband run -n N [torchrun options] script.py [args]``: torchrun with lowband's defaults
-    (``--standalone`` when no rendezvous endpoint is given)."""
+    """``lowband run -n N [torchrun options] script.py [args]``: torchrun with lowband's defaults. Without a
+    rendezvous endpoint or master address it is a single-machine launch, its store on 127.0.0.1 (see the
+    module docstring); with one, torchrun's multi-host rendezvous as given."""
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torch_run
 
@@ -97,23 +299,28 @@ def run_command(argv: Sequence[str]) -> int:
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a in ("-n", "--np", "--nprocs"):
-            out += ["--nproc-per-node", argv[i + 1]]
+        if a in _NPROCS:
+            out += ["--nproc-per-node", _nprocs(a, argv[i + 1] if i + 1 < len(argv) else None)]
             i += 2
             continue
-        if a.startswith("-n") and a[2:].isdigit():
-            out += ["--nproc-per-node", a[2:]]
+        if a.startswith("-n") and not a.startswith("--") and len(a) > 2:
+            out += ["--nproc-per-node", _nprocs("-n", a[2:].lstrip("="))]
             i += 1
             continue
+        if a.startswith(("--nproc-per-node", "--nproc_per_node")):
+            value = a.partition("=")[2] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else None)
+            if value is None or (value.lstrip("-").isdigit() and int(value) < 1):
+                _nprocs(a.partition("=")[0], value)
         if not a.startswith("-"):
             out += argv[i:]
             break
         out.append(a)
         i += 1
-    if not any(
-        x.startswith("--rdzv-endpoint") or x.startswith("--rdzv_endpoint") or x == "--standalone" for x in out
-    ):
-        out.insert(0, "--standalone")
+    store = None
+    if not any(x.startswith(_MULTI_HOST) or x == "--standalone" for x in out):
+        store, port = loopback_store()
+        loopback = ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        out = [*loopback, "--nnodes", "1", "--node-rank", "0", *out]
     args = get_args_parser().parse_args(out)
     try:
         torch_run(args)  # type: ignore[no-untyped-call]
@@ -122,5 +329,7 @@ def run_command(argv: Sequence[str]) -> int:
 
         if isinstance(exc, ChildFailedError):
             return 1
-        raise LowbandError(f"lowband run: {exc}") from exc
+        raise LowbandError(f"lowband run: {type(exc).__name__}: {exc}") from exc
+    finally:
+        del store
     return 0

@@ -8,6 +8,7 @@ gloo process group, so nothing here may assume one rank per process.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import threading
@@ -18,10 +19,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
+from lowband.comm.handle import check_timeout
 from lowband.comm.trace import Tracer
 from lowband.config import Config
 from lowband.errors import InvalidArgumentError, LowbandError, NotInitializedError
 from lowband.group import Group
+from lowband.rendezvous import join_env
+from lowband.teardown import break_connections, close_pg, join_threads, lowband_threads
 
 
 @dataclass(eq=False)
@@ -110,15 +114,19 @@ def init(
     Calling ``init`` again returns the existing context.
     """
     global _global
+    if timeout is not None:
+        check_timeout("lowband.init", timeout)
     if is_initialized():
         return current()
     config = Config.from_env(timeout, check, fusion_threshold, trace)
+    check_timeout("lowband.init (LOWBAND_TIMEOUT)", config.timeout)
     td = datetime.timedelta(seconds=config.timeout)
     owns = False
     if not dist.is_initialized():
         be = backend or _default_backend()
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(be, init_method="env://", timeout=td)
+            store, r, n = join_env(config.timeout)  # names the ranks that did not join, if any
+            dist.init_process_group(be, store=store, rank=r, world_size=n, timeout=td)
         else:
             dist.init_process_group(be, store=HashStore(), rank=0, world_size=1, timeout=td)
         owns = True
@@ -129,6 +137,8 @@ def init(
     ctx = Context(rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), owns_default_pg=owns)
     _global = ctx
     _make_hierarchy(ctx)
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
     return ctx
 
 
@@ -191,6 +201,10 @@ def new_group(ranks: list[int], name: str | None = None) -> Group | None:
     """Create a process group of the given world ranks. Every rank of the world must call it, in the same
     order (as with ``torch.distributed.new_group``); ranks outside ``ranks`` get ``None``."""
     ctx = current("new_group")
+    if name is not None and not isinstance(name, str):
+        raise InvalidArgumentError(
+            f"lowband.new_group on rank {ctx.rank}: name must be a str or None, got {type(name).__name__}"
+        )
     rl = list(ranks)
     if not rl or len(set(rl)) != len(rl) or any(not isinstance(r, int) or not 0 <= r < ctx.size for r in rl):
         raise InvalidArgumentError(
@@ -220,13 +234,44 @@ def open_member_group(ctx: Context, g: Group, key: str, name: str) -> Group:
     return chan
 
 
+def destroy_group(group: Group) -> None:
+    """Free a group made by :func:`new_group`: its process groups, their connections (~13 file descriptors
+    per rank) and threads. A local step on each member (nothing is communicated); every member should call
+    it once every op on the group is waited. Ops on a destroyed group raise :class:`InvalidArgumentError`;
+    destroying it again does nothing. :func:`shutdown` destroys the groups lowband made. The sockets are
+    released once nothing refers to the process groups any more (views made with ``Group.unchecked()``
+    hold them too)."""
+    ctx = current("destroy_group")
+    if not isinstance(group, Group):
+        raise InvalidArgumentError(
+            f"lowband.destroy_group on rank {ctx.rank}: group must be a lowband Group, got {type(group).__name__}"
+        )
+    if group.pg is ctx.world.pg:
+        raise InvalidArgumentError(
+            f"lowband.destroy_group on rank {ctx.rank}: the world group lives until lowband.shutdown()"
+        )
+    if group.destroyed:
+        return
+    group._destroyed.set()
+    ctx._groups[:] = [g for g in ctx._groups if g.pg is not group.pg]
+    pgs = {id(p): p for p in (group.ctl, group.pg)}
+    # torch frees a process group's sockets when the last reference goes: drop this one's (views of
+    # the group made with ``unchecked`` before now keep theirs until they are dropped)
+    group.pg = group.ctl = None
+    for pg in pgs.values():
+        close_pg(pg)
+
+
 def shutdown() -> None:
-    """Tear down this rank's context (and torch.distributed, if lowband initialised it)."""
+    """Tear down this rank's context: destroy the groups lowband made (newest first), then
+    torch.distributed if lowband initialised it. Called at interpreter exit for a process that did not
+    call it (see :func:`_at_exit`)."""
     global _global
     ctx = getattr(_local, "ctx", None)
     if ctx is not None:
         _local.ctx = None
-        for g in [ctx.world, *ctx._groups]:
+        for g in [*reversed(ctx._groups), ctx.world]:
+            g._destroyed.set()
             for pg in (g.pg, g.ctl):
                 try:
                     pg.shutdown()
@@ -236,8 +281,36 @@ def shutdown() -> None:
     if _global is None:
         return
     ctx, _global = _global, None
+    for g in reversed(ctx._groups):
+        g._destroyed.set()
+        close_pg(g.ctl)
+        close_pg(g.pg)
+    ctx._groups.clear()
+    ctx.world._destroyed.set()
+    close_pg(ctx.world.ctl)
     if ctx.owns_default_pg and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _at_exit() -> None:
+    """Interpreter exit of a process that did not call :func:`shutdown`.
+
+    A lowband thread (a ``then`` watcher of a send/recv, a window receiver) still blocked in a gloo wait
+    when the interpreter finalizes aborts the process as the wait returns ("terminate called without an
+    active exception", exit -6) after the work succeeded. So, while the interpreter still runs: give such
+    threads a moment to end, close the connections their receives wait on (they fail and end: see
+    :func:`lowband.teardown.break_connections`), wait for them, then shut down. ``atexit`` runs hooks newest first, so
+    those registered after ``init`` (the window service's, which stops its peers' receivers) have run."""
+    ctx = _global
+    if ctx is None:
+        return
+    try:
+        if join_threads(lowband_threads(), 0.2):
+            break_connections(ctx)
+            join_threads(lowband_threads(), 5.0)
+        shutdown()
+    except Exception:  # exiting anyway: never turn a finished run into a failed exit
+        pass
 
 
 def set_check(enabled: bool) -> None:
@@ -257,6 +330,10 @@ def world_group(group: Group | None, op: str) -> tuple[Context, Group]:
         raise InvalidArgumentError(
             f"lowband.{op} on rank {ctx.rank}: group must be a lowband Group (from lowband.new_group), "
             f"got {type(group).__name__}"
+        )
+    if group.destroyed:
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {ctx.rank}: group {group.name!r} was destroyed (lowband.destroy_group)"
         )
     return ctx, group
 

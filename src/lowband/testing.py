@@ -6,8 +6,9 @@ multi-rank test costs milliseconds instead of 2-4 s of process start-up and ``im
 gloo releases the GIL while it moves data, so ranks really run concurrently.
 
 ``run_processes`` runs ranks as real processes (for tests where a rank must die, or that need
-process-wide state): spawned with multiprocessing, rendezvous on a TCP store on a free port, results
-and exceptions sent back on a queue, every child killed and joined before it returns.
+process-wide state): spawned with multiprocessing, rendezvous on a TCP store that the calling process
+hosts on 127.0.0.1, results and exceptions sent back on a queue, every child killed and joined before it
+returns.
 
 Both have a hard timeout, and raise :class:`RankFailures` carrying every failing rank's exception and
 traceback.
@@ -29,6 +30,7 @@ from typing import Any
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from lowband.config import Config
+from lowband.launcher import loopback_store
 from lowband.runtime import init_thread_rank, shutdown
 
 
@@ -130,7 +132,7 @@ def _proc_main(
 ) -> None:
     os.environ.update(
         {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)}
+         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     )  # fmt: skip
     import torch
 
@@ -167,7 +169,7 @@ def run_processes(
     init_kwargs["timeout"] = comm_timeout if comm_timeout is not None else timeout
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
+    store, port = loopback_store()  # the ranks are its clients (as under a launcher)
     procs = [
         ctx.Process(target=_proc_main, args=(fn, r, world_size, port, args, init_kwargs, q), daemon=True)
         for r in range(world_size)
@@ -207,6 +209,7 @@ def run_processes(
                 p.kill()
                 p.join(5.0)
         q.close()
+        del store
     missing = [r for r in range(world_size) if r not in results and r not in errors]
     for r in missing:
         errors[r] = f"no result within the hard timeout of {timeout:g} s"

@@ -10,6 +10,7 @@ callback thread, without anyone calling ``wait()``.
 from __future__ import annotations
 
 import datetime
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -17,12 +18,21 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from lowband.comm.trace import Event, Tracer
-from lowband.errors import CommFailedError, CommTimeoutError, LowbandError
+from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError, LowbandError
 
 T = TypeVar("T")
 U = TypeVar("U")
 
 _UNSET: Any = object()
+
+
+def check_timeout(where: str, timeout: object) -> float:
+    """``timeout`` as seconds: a finite number > 0 (not a bool), else :class:`InvalidArgumentError`."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout):
+        raise InvalidArgumentError(f"{where}: timeout must be a finite number of seconds, got {timeout!r}")
+    if timeout <= 0:
+        raise InvalidArgumentError(f"{where}: timeout must be > 0 seconds, got {timeout!r}")
+    return float(timeout)
 
 
 def _is_timeout(exc: BaseException) -> bool:
@@ -130,7 +140,7 @@ class Handle(Generic[T]):
             for work in w.works:
                 try:
                     work.wait(td)
-                except LowbandError:  # the argument check's verification (a mismatch) raises its own
+                except LowbandError:  # a lowband work raised its own (an argument mismatch, a refused send)
                     raise
                 except RuntimeError as exc:
                     raise comm_error(self._where(), exc, timeout) from exc
@@ -173,6 +183,8 @@ class Handle(Generic[T]):
     def wait(self, timeout: float | None = None) -> T:
         """Block until the op is complete (at most ``timeout`` seconds, default the runtime's timeout)
         and return its result."""
+        if timeout is not None:
+            timeout = check_timeout(f"{self._where()}: Handle.wait", timeout)
         return self._complete(timeout)
 
     def then(self, fn: Callable[[T], U]) -> Handle[U]:

@@ -1,18 +1,24 @@
 """Point-to-point send and receive.
 
-With checking on (the default), a send is preceded by a small header (dtype and shape) that the
-receiver compares with its buffer before the data is received, so a mismatch raises
-:class:`CollectiveMismatchError` naming both ranks instead of aborting the process inside gloo.
+With checking on (the default), a send is preceded by a small header (dtype and full shape) that the
+receiver compares with its buffer before the data is received, and the receiver answers it: an
+acknowledgement on the group's control process group. On a match the data follows; on a mismatch the
+receiver drains the data (so the pair's stream stays in step and both ranks can go on) and both sides
+raise :class:`CollectiveMismatchError` showing both dtypes and shapes: the receiver at once, the sender
+as soon as the answer arrives, instead of waiting its full timeout for a receive that never comes.
 ``irecv`` posts the header receive at once and the data receive when the handle is waited on (or
 ``then``-chained), after the header matched; so with checking on, a receive's data moves at ``wait()``.
 With ``check=False`` both sides are one nonblocking torch op each.
 
-``tag`` values must be in ``[0, 2**30)``; lowband uses ``2*tag`` for data and ``2*tag+1`` for headers.
+``tag`` values must be in ``[0, 2**30)``; lowband uses ``2*tag`` for data and ``2*tag+1`` for headers
+(and, on the control process group, for answers).
 """
 
 from __future__ import annotations
 
 import datetime
+import zlib
+from typing import Any
 
 import torch
 
@@ -31,6 +37,11 @@ from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.group import Group
 
 _MAX_TAG = 2**30
+_MAGIC = 0x5E4D
+_DIMS = 8
+#: magic, dtype code, ndim, numel, crc of the full shape, then the first ``_DIMS`` dims (-1 padded)
+_HEAD = 5 + _DIMS
+_OK, _MISMATCH = 0, 1
 
 
 def _check_tag(op: str, rank: int, tag: object) -> int:
@@ -42,7 +53,50 @@ def _check_tag(op: str, rank: int, tag: object) -> int:
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:
-    return validate.signature("send", t.dtype, t.shape, 0, (), 1)
+    dims = list(t.shape)
+    crc = zlib.crc32(repr(tuple(dims)).encode()) & 0x7FFFFFFF
+    head = [_MAGIC, validate.DTYPE_CODES[t.dtype], len(dims), t.numel(), crc]
+    head += [dims[i] if i < len(dims) else -1 for i in range(_DIMS)]
+    return torch.tensor(head, dtype=torch.int64)
+
+
+def _describe(head: list[int]) -> str:
+    if len(head) != _HEAD or head[0] != _MAGIC:
+        return "a message that is not a lowband send header (is the other rank running with check off?)"
+    nd = head[2]
+    dims = [str(d) for d in head[5 : 5 + min(nd, _DIMS)]] + (["..."] if nd > _DIMS else [])
+    shape = "(" + ", ".join(dims) + ("," if nd == 1 else "") + ")"
+    dt = str(validate.CODE_DTYPES.get(head[1], "?")).replace("torch.", "")
+    return f"a {dt} tensor of shape {shape}"
+
+
+class _AnsweredSend:
+    """The torch works of a checked send, waited as one: the header, the receiver's answer, then the
+    data. A refusal raises as soon as the answer arrives (the data, drained by the receiver, completes
+    on its own)."""
+
+    def __init__(
+        self, header: Any, answer: Any, reply: torch.Tensor, data: Any, where: str, sent: str
+    ) -> None:
+        self.parts = [w for w in (header, answer, data) if w is not None]
+        self.answer, self.reply, self.data = answer, reply, data
+        self.where, self.sent = where, sent
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        for w in self.parts:
+            w.wait(timeout)
+            if w is self.answer and int(self.reply[0]) != _OK:
+                raise CollectiveMismatchError(
+                    f"{self.where}: the receiver posted a receive for {_describe(self.reply[1:].tolist())} "
+                    f"but this rank sent {self.sent}"
+                )
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.parts)
+
+    def get_future(self) -> Any:
+        raise RuntimeError("Work::getFuture not implemented")  # waited by Handle's watcher instead
 
 
 def isend(
@@ -58,14 +112,20 @@ def isend(
         raise InvalidArgumentError(f"lowband.send on rank {ctx.rank}: cannot send to itself (dst={dst})")
     buf = contiguous_flat(t)
     check = checking(ctx, g)
+    where = f"lowband.send on rank {ctx.rank} (to rank {g.ranks[dst]}, tag {tag})"
 
     def issue() -> list[object]:
-        works = []
-        if check:
-            works.append(g.pg.send([_header(t)], dst, 2 * tag + 1))
-        if buf.numel():
-            works.append(g.pg.send([buf], dst, 2 * tag))
-        return works
+        if not check:
+            return [g.pg.send([buf], dst, 2 * tag)] if buf.numel() else []
+        head = _header(t)
+        if g.ctl is None:  # no control process group: no answer (a mismatch times out here)
+            works = [g.pg.send([head], dst, 2 * tag + 1)]
+            return works + ([g.pg.send([buf], dst, 2 * tag)] if buf.numel() else [])
+        reply = torch.empty(1 + _HEAD, dtype=torch.int64)
+        answer = g.ctl.recv([reply], dst, 2 * tag + 1)
+        header = g.pg.send([head], dst, 2 * tag + 1)
+        data = g.pg.send([buf], dst, 2 * tag) if buf.numel() else None
+        return [_AnsweredSend(header, answer, reply, data, where, _describe(head.tolist()))]
 
     return make_handle(ctx, g, "send", name, issue, lambda: None, nbytes(t), 0)
 
@@ -90,8 +150,10 @@ def irecv(
         raise InvalidArgumentError(f"lowband.recv on rank {ctx.rank}: cannot receive from itself (src={src})")
     buf = contiguous_flat(t)
     check = checking(ctx, g)
-    head = torch.empty(validate.HEADER + 1, dtype=torch.int64)
+    head = torch.empty(_HEAD, dtype=torch.int64)
     timeout = ctx.config.timeout
+    td = datetime.timedelta(seconds=timeout)
+    where = f"lowband.recv on rank {ctx.rank} (from rank {g.ranks[src]}, tag {tag})"
 
     def issue() -> list[object]:
         if check:
@@ -100,24 +162,44 @@ def irecv(
             return [g.pg.recv([head], src, 2 * tag + 1)]
         return [g.pg.recv([buf], src, 2 * tag)] if buf.numel() else []
 
+    def answer(status: int, mine: torch.Tensor) -> Any:
+        if g.ctl is None:
+            return None
+        return g.ctl.send([torch.cat([torch.tensor([status]), mine])], src, 2 * tag + 1)
+
     def finish() -> torch.Tensor:
         if check:
             mine = _header(t)
             if not torch.equal(head, mine):
-                raise CollectiveMismatchError(
-                    f"lowband.recv on rank {ctx.rank}: rank {g.ranks[src]} sent {validate.describe(head.tolist())[8:]} "
-                    f"(tag {tag}) but this rank posted a receive for {validate.describe(mine.tolist())[8:]}"
-                )
-            if buf.numel():
-                try:
-                    g.pg.recv([buf], src, 2 * tag).wait(datetime.timedelta(seconds=timeout))
-                except RuntimeError as exc:
-                    raise comm_error(
-                        f"lowband.recv on rank {ctx.rank} (from rank {g.ranks[src]}, tag {tag})", exc, timeout
-                    ) from exc
+                _refuse(mine)
+            try:
+                sent = answer(_OK, mine)
+                if buf.numel():
+                    g.pg.recv([buf], src, 2 * tag).wait(td)
+                if sent is not None:
+                    sent.wait(td)
+            except RuntimeError as exc:
+                raise comm_error(where, exc, timeout) from exc
         if buf.data_ptr() != t.data_ptr() or not t.is_contiguous():
             t.copy_(buf.view(t.shape))
         return t
+
+    def _refuse(mine: torch.Tensor) -> None:
+        theirs = head.tolist()
+        error = CollectiveMismatchError(
+            f"lowband.recv on rank {ctx.rank}: rank {g.ranks[src]} sent {_describe(theirs)} (tag {tag}) "
+            f"but this rank posted a receive for {_describe(mine.tolist())}"
+        )
+        dtype = validate.CODE_DTYPES.get(theirs[1]) if theirs[0] == _MAGIC else None
+        try:
+            sent = answer(_MISMATCH, mine)
+            if dtype is not None and theirs[3] > 0:  # drain the data the sender has posted
+                g.pg.recv([torch.empty(theirs[3], dtype=dtype)], src, 2 * tag).wait(td)
+            if sent is not None:
+                sent.wait(td)
+        except RuntimeError:
+            pass  # the mismatch is the error to report
+        raise error
 
     return make_handle(ctx, g, "recv", name, issue, finish, 0, nbytes(t))
 

@@ -1,0 +1,76 @@
+"""Closing what a rank opened: process groups, and the connections its helper threads wait on.
+
+Used by :func:`lowband.destroy_group`, :func:`lowband.shutdown` and the interpreter-exit hook of
+:mod:`lowband.runtime`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lowband.runtime import Context
+
+
+def close_pg(pg: Any) -> None:
+    """Close one process group on this rank (a local step): torch's registry entry, connections, threads.
+    A receive pending on it is not woken by this (see :func:`break_connections`)."""
+    if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    try:
+        dist.destroy_process_group(pg)
+        return
+    except (ValueError, AssertionError, RuntimeError):  # not in torch's registry (made from a store)
+        pass
+    try:
+        pg.shutdown()
+    except (RuntimeError, AttributeError):
+        pass
+
+
+def lowband_threads() -> list[threading.Thread]:
+    """This process's lowband helper threads (``then`` watchers, window receivers), not thread ranks."""
+    me = threading.current_thread()
+    return [
+        t
+        for t in threading.enumerate()
+        if t is not me and t.name.startswith("lowband-") and not t.name.startswith("lowband-rank")
+    ]
+
+
+def join_threads(threads: list[threading.Thread], limit: float) -> list[threading.Thread]:
+    """Wait at most ``limit`` seconds in all for ``threads`` to end; returns those still running."""
+    deadline = time.monotonic() + limit
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threads if t.is_alive()]
+
+
+#: a tag no lowband message uses (p2p uses tags below 2**31 - 1 only for a user tag of 2**30 - 1)
+_BREAK_TAG = 2**31 - 1
+
+
+def break_connections(ctx: Context) -> None:
+    """Close this rank's connection to every peer of every group, so that receives still pending on them
+    fail now, here and at the peers. A pending gloo receive cannot be woken locally (destroying its
+    process group does not), but a timed-out wait closes its connection: so post a receive nobody sends
+    to and let it time out, per peer."""
+    seen: set[int] = set()
+    for g in [ctx.world, *ctx._groups]:
+        for pg in (g.pg, g.ctl):
+            if pg is None or id(pg) in seen:
+                continue
+            seen.add(id(pg))
+            for peer in range(g.size):
+                if peer == g.rank:
+                    continue
+                try:
+                    pg.recv([torch.empty(1)], peer, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+                except (RuntimeError, ValueError):
+                    pass  # timed out (the connection is closed now), or it was closed already
