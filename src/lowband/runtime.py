@@ -264,8 +264,14 @@ def destroy_group(group: Group) -> None:
 
 def shutdown() -> None:
     """Tear down this rank's context: destroy the groups lowband made (newest first), then
-    torch.distributed if lowband initialised it. Called at interpreter exit for a process that did not
-    call it (see :func:`_at_exit`)."""
+    torch.distributed if lowband initialised it. Runs at interpreter exit for a process that did not
+    call it.
+
+    A lowband thread (a ``then`` watcher of a send/recv, a window receiver) still blocked in a gloo wait
+    when the interpreter finalizes aborts the process as the wait returns ("terminate called without an
+    active exception", exit -6), after the work succeeded. So first, while the interpreter still runs:
+    give such threads a moment to end, close the connections their receives wait on (they fail and end:
+    :func:`lowband.teardown.break_connections`) and wait for them."""
     global _global
     ctx = getattr(_local, "ctx", None)
     if ctx is not None:
@@ -281,6 +287,9 @@ def shutdown() -> None:
     if _global is None:
         return
     ctx, _global = _global, None
+    if join_threads(lowband_threads(), 0.2):
+        break_connections(ctx)
+        join_threads(lowband_threads(), 5.0)
     for g in reversed(ctx._groups):
         g._destroyed.set()
         close_pg(g.ctl)
@@ -293,21 +302,10 @@ def shutdown() -> None:
 
 
 def _at_exit() -> None:
-    """Interpreter exit of a process that did not call :func:`shutdown`.
-
-    A lowband thread (a ``then`` watcher of a send/recv, a window receiver) still blocked in a gloo wait
-    when the interpreter finalizes aborts the process as the wait returns ("terminate called without an
-    active exception", exit -6) after the work succeeded. So, while the interpreter still runs: give such
-    threads a moment to end, close the connections their receives wait on (they fail and end: see
-    :func:`lowband.teardown.break_connections`), wait for them, then shut down. ``atexit`` runs hooks newest first, so
-    those registered after ``init`` (the window service's, which stops its peers' receivers) have run."""
-    ctx = _global
-    if ctx is None:
-        return
+    """Interpreter exit of a process that did not call :func:`shutdown`: shut down (see there why).
+    ``atexit`` runs hooks newest first, so those registered after ``init`` (the window service's, which
+    stops its peers' receivers) have run."""
     try:
-        if join_threads(lowband_threads(), 0.2):
-            break_connections(ctx)
-            join_threads(lowband_threads(), 5.0)
         shutdown()
     except Exception:  # exiting anyway: never turn a finished run into a failed exit
         pass
