@@ -145,7 +145,9 @@ def test_cli_run_and_torchrun(tmp_path: Path, launcher: str) -> None:
         "import os\nfrom pathlib import Path\n\n\n" + inspect.getsource(store_listeners)
     )
     if launcher == "lowband":
-        cmd = [str(BIN / "lowband"), "run", "-n", "3", str(script), str(tmp_path), "--flag", "x"]
+        # --standalone is a single-machine launch too; an option's value is not taken for the script
+        cmd = [str(BIN / "lowband"), "run", "--standalone", "--max-restarts", "0", "-n", "3", str(script)]
+        cmd += [str(tmp_path), "--flag", "x"]
     else:
         cmd = [
             str(BIN / "torchrun"),

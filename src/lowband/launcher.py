@@ -289,22 +289,25 @@ def _nprocs(flag: str, value: str | None) -> str:
 
 def run_command(argv: Sequence[str]) -> int:
     """``lowband run -n N [torchrun options] script.py [args]``: torchrun with lowband's defaults. Without a
-    rendezvous endpoint or master address it is a single-machine launch, its store on 127.0.0.1 (see the
-    module docstring); with one, torchrun's multi-host rendezvous as given."""
+    rendezvous endpoint or master address (or with ``--standalone``) it is a single-machine launch, its
+    store on 127.0.0.1 (see the module docstring); with one, torchrun's multi-host rendezvous as given."""
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torch_run
 
+    parser = get_args_parser()
+    takes_value = {o for action in parser._actions for o in action.option_strings if action.nargs != 0}
     argv = list(argv)
-    out: list[str] = []
+    opts: list[str] = []
+    rest: list[str] = []
     i = 0
     while i < len(argv):
         a = argv[i]
         if a in _NPROCS:
-            out += ["--nproc-per-node", _nprocs(a, argv[i + 1] if i + 1 < len(argv) else None)]
+            opts += ["--nproc-per-node", _nprocs(a, argv[i + 1] if i + 1 < len(argv) else None)]
             i += 2
             continue
         if a.startswith("-n") and not a.startswith("--") and len(a) > 2:
-            out += ["--nproc-per-node", _nprocs("-n", a[2:].lstrip("="))]
+            opts += ["--nproc-per-node", _nprocs("-n", a[2:].lstrip("="))]
             i += 1
             continue
         if a.startswith(("--nproc-per-node", "--nproc_per_node")):
@@ -312,16 +315,22 @@ def run_command(argv: Sequence[str]) -> int:
             if value is None or (value.lstrip("-").isdigit() and int(value) < 1):
                 _nprocs(a.partition("=")[0], value)
         if not a.startswith("-"):
-            out += argv[i:]
+            rest = argv[i:]
             break
-        out.append(a)
+        if a in takes_value and i + 1 < len(argv):  # ``--nnodes 2``: the value is not the script
+            opts += [a, argv[i + 1]]
+            i += 2
+            continue
+        opts.append(a)
         i += 1
     store = None
-    if not any(x.startswith(_MULTI_HOST) or x == "--standalone" for x in out):
+    if not any(x.startswith(_MULTI_HOST) for x in opts):  # one machine (``--standalone`` or nothing said)
         store, port = loopback_store()
-        loopback = ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        out = [*loopback, "--nnodes", "1", "--node-rank", "0", *out]
-    args = get_args_parser().parse_args(out)
+        opts = [x for x in opts if x != "--standalone"]
+        opts += ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        opts += ["--nnodes", "1", "--node-rank", "0"]
+    out = opts + rest
+    args = parser.parse_args(out)
     try:
         torch_run(args)  # type: ignore[no-untyped-call]
     except Exception as exc:  # ChildFailedError prints its own report
