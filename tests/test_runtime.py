@@ -252,16 +252,20 @@ print("done", r, flush=True)
 
 
 def _run_ranks(
-    script: Path, n: int, extra_env: dict[str, str], timeout: float
+    script: Path, n: int, extra_env: dict[str, str], timeout: float, *, host_store: bool = True
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run ``script`` as ``n`` ranks (plain processes; this process hosts their store on 127.0.0.1)."""
+    """Run ``script`` as ``n`` ranks (plain processes). With ``host_store`` this process hosts their
+    store on 127.0.0.1 (as a launcher does); else rank 0 hosts it (a bare ``env://`` world)."""
     from lowband.launcher import loopback_store
 
-    store, port = loopback_store()
+    store, port = loopback_store() if host_store else (None, lowband.testing.free_port())
     env = dict(
         os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
-    env.update(TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", **extra_env)
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    env.update(OMP_NUM_THREADS="1", **extra_env)
+    if host_store:
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     procs = [
         subprocess.Popen(
             [sys.executable, str(script)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
@@ -293,6 +297,19 @@ def test_exit_without_shutdown_is_clean(tmp_path: Path) -> None:
                 f"attempt {attempt}, rank {r}: {run.returncode}\n{run.stderr[-2000:]}"
             )
             assert "terminate called" not in run.stderr
+
+
+def test_init_env_rank0_hosts_store(tmp_path: Path) -> None:
+    """A bare env:// world (no launcher's store): rank 0 hosts the store, as with torch's env://."""
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import torch, lowband\nlowband.init()\n"
+        "print('sum', lowband.allreduce(torch.ones(1), op='sum').item())\nlowband.shutdown()\n"
+    )
+    runs = _run_ranks(script, 3, {"LOWBAND_TIMEOUT": "60"}, timeout=120, host_store=False)
+    assert [(run.returncode, run.stdout.strip()) for run in runs] == [(0, "sum 3.0")] * 3, runs[0].stderr[
+        -2000:
+    ]
 
 
 def test_init_names_missing_ranks(tmp_path: Path) -> None:
