@@ -16,6 +16,7 @@ traceback.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -29,6 +30,7 @@ from typing import Any
 
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
+from lowband.comm.control import left_pending
 from lowband.config import Config
 from lowband.launcher import loopback_store
 from lowband.runtime import init_thread_rank, shutdown
@@ -110,6 +112,13 @@ def run_threads(
                         pass
         for r in stuck:
             threads[r].join(5.0)
+    # A rank that failed, or a mismatch that left a data op pending, can leave process groups whose
+    # destructor waits for that op (up to the timeout). Free them here, in the run that made them: a
+    # later garbage collection would run that wait on whatever thread allocates next (another test's
+    # rank), stalling it.
+    if errors or any(left_pending(ctx) for ctx in pgs.values()):
+        pgs.clear()
+        gc.collect()
     if errors:
         raise RankFailures(errors, world_size)
     return [results[r] for r in range(world_size)]

@@ -220,8 +220,13 @@ class Watched:
                 self.work.wait(datetime.timedelta(seconds=max(min(look, left), 0.0)))
                 return True
             except RuntimeError:
-                if left <= look or self.work.is_completed():
-                    raise  # the whole timeout passed, or the work failed
+                if self.work.is_completed():
+                    # it completed after the look timed out (a timed-out wait does not cancel a
+                    # collective's work): one more wait returns, or raises the work's own error
+                    self.work.wait(datetime.timedelta(seconds=max(left, 1.0)))
+                    return True
+                if left <= look:
+                    raise  # the whole timeout passed
             if self.posted.work.is_completed():
                 self.state.verify(self.posted, self.g, total)
             look = min(2 * look, self.MAX_LOOK)
@@ -268,6 +273,13 @@ class Prediction:
         if not works:
             return [Guard(self.state, self.posted, self.group)]
         return [Watched(w, self.state, self.posted, self.group) for w in works]
+
+
+def left_pending(ctx: Any) -> bool:
+    """Whether a mismatch on one of ``ctx``'s groups left a data op pending (freeing such a group's
+    process group waits for that op, up to the timeout)."""
+    states: dict[int, ControlState] = ctx.state.get(__name__, {})
+    return any(st.broken is not None for st in states.values())
 
 
 def state_of(g: Group) -> ControlState:
