@@ -138,7 +138,8 @@ def plot_all(
 
     rows = summary["strategies"]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
-    labels = [r["label"] for r in rows.values()]
+    # the name on one line, its options below (long labels would run into each other)
+    labels = [str(r["label"]).replace("(", "\n(", 1).replace(", ", ",\n") for r in rows.values()]
     med = [r["iter_time_median"] * 1e3 for r in rows.values()]
     lo = [m - r["iter_time_min"] * 1e3 for m, r in zip(med, rows.values())]
     hi = [r["iter_time_max"] * 1e3 - m for m, r in zip(med, rows.values())]
@@ -148,8 +149,9 @@ def plot_all(
     bounds = [(r["bound"] or 0) * 1e3 for r in rows.values()]
     ax.scatter(labels, bounds, color="tab:red", marker="_", s=900, zorder=3, label="physical bound")
     ax.set_ylabel("ms per iteration")
-    ax.set_title(title)
-    ax.legend()
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, framealpha=0.9)
     fig.tight_layout()
     paths.append(out / "iteration.png")
     fig.savefig(paths[-1], dpi=110)
