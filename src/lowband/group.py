@@ -29,6 +29,9 @@ class Group:
     ctl: Any = None
     #: the cross-rank argument check for ops on this group: None follows the runtime's setting
     check: bool | None = None
+    #: what names this group alike on every member and apart from every other group of the run (the
+    #: argument check's store prefix); empty: the name and ranks
+    key: str = ""
     _seq: itertools.count[int] = field(default_factory=itertools.count, repr=False)
     #: set by ``lowband.destroy_group`` (shared with the :meth:`unchecked` views of this group)
     _destroyed: threading.Event = field(default_factory=threading.Event, repr=False)

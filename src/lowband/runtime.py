@@ -192,7 +192,7 @@ def _new_group(ctx: Context, ranks: list[int], name: str) -> Group | None:
         ctl = dist.new_group(ranks=ranks, timeout=ctx.timeout_td(), backend="gloo")
         if ctx.rank not in ranks:
             return None
-    g = Group(pg, tuple(ranks), ranks.index(ctx.rank), name, ctl=ctl)
+    g = Group(pg, tuple(ranks), ranks.index(ctx.rank), name, ctl=ctl, key=f"group{key}")
     ctx._groups.append(g)
     return g
 
@@ -229,7 +229,7 @@ def open_member_group(ctx: Context, g: Group, key: str, name: str) -> Group:
     torch's group registry (non-members take no part), and :func:`shutdown` of a thread rank closes it."""
     store = PrefixStore(key, rendezvous_store(ctx))
     pg = dist.ProcessGroupGloo(store, g.rank, g.size, ctx.timeout_td())
-    chan = Group(pg, g.ranks, g.rank, name)
+    chan = Group(pg, g.ranks, g.rank, name, key=key)
     ctx._groups.append(chan)
     return chan
 

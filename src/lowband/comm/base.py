@@ -68,11 +68,7 @@ def make_handle(
     ``guard``: the argument check's prediction (:func:`validate.check`), which watches the works."""
     tracer = ctx.tracer
     ev = tracer.start(op, name, int(sent), int(received), g.name) if tracer.enabled else None
-    try:
-        works = issue()
-    finally:
-        if guard is not None:  # the check's row, after the data (posted even if issuing failed)
-            guard.post()
+    works = issue()
     if guard is not None:
         works = guard.watch(list(works))
     return Handle(

@@ -1,15 +1,17 @@
-"""The control process group: the small rows ranks post to check each other, and what they imply.
+"""The cross-rank check's shared state and its rows in the rendezvous key-value store.
 
-Every row posted on a group's control process group has the same length (``HEADER + group size``
-int64) and starts with a magic number and an op code, so any two ranks' rows can be compared, and a
-rank checking one thing while another checks something else gets a clean error, never a size
-mismatch inside gloo (which aborts the process).
+A row (``HEADER + group size`` int64) starts with a magic number and an op code, so any two ranks'
+rows can be compared, and a rank checking one thing while another checks something else gets a clean
+error, never a size mismatch inside gloo (which aborts the process).
 
-Per control process group and rank, a :class:`ControlState` remembers the signature tables verified
-so far as a successor map ("after table A came table B"), which lets the argument check skip its
-round trip when a rank's call is the predicted one (:func:`lowband.comm.validate.check` explains why
-that is safe), the rows posted without waiting that are still to be verified, and whether a mismatch
-has left the group unusable.
+Per group and rank, a :class:`ControlState` counts the group's checked ops (the op sequence number,
+the same on every rank while the calls agree), remembers the signature tables verified so far as a
+successor map ("after table A came table B"; the prediction every rank shares), keeps the ops this
+rank issued on that prediction and whose data has not completed yet (:class:`Pending`), and whether
+a mismatch has left the group unusable. Rows travel only off the predicted path: a rank publishes its
+row for op ``seq`` under the key ``seq/rank`` of a store prefix of its own group
+(:meth:`ControlState.meet`), and a predicted rank whose data is late answers such rows
+(:meth:`ControlState.look`). :func:`lowband.comm.validate.check` explains why that is safe.
 """
 
 from __future__ import annotations
@@ -19,24 +21,30 @@ import datetime
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from lowband.errors import CollectiveMismatchError
+from lowband.errors import CollectiveMismatchError, CommTimeoutError
 from lowband.group import Group
 
-#: first field of a row posted by a rank that waits for the table before it issues the op's data
+#: first field of a row published by a rank that waits for the table before it issues the op's data
 MAGIC = 0x10BA
-#: first field of a row posted by a rank that issued the op's data at once (its call was predicted)
+#: first field of a row published late by a rank that issued the op's data on the prediction
 FAST = 0x10BB
-#: fields every control row shares: magic, op code, then op-specific ints (a collective's signature
-#: uses 12 header fields: op, dtype, ndim, 6 dims, a hash of further dims, one argument)
+#: fields every row shares: magic, op code, then op-specific ints (a collective's signature uses 12
+#: header fields: op, dtype, ndim, 6 dims, a hash of further dims, one argument)
 HEADER = 12
 F_MAGIC, F_OP = 0, 1
 #: verified tables remembered per group before the map starts afresh (on every rank at once)
 MAX_TABLES = 4096
+#: predicted ops with data in flight remembered per group (a rank further behind gets a timeout)
+MAX_PENDING = 4096
+#: first and longest wait between looks at the store while data or rows are late, seconds
+FIRST_LOOK, MAX_LOOK = 0.05, 0.5
+_NONE = "-"  # what :meth:`ControlState.present` reads for a key not published
 UNUSABLE = (
     "some ranks had already issued the op their previous calls predicted, so a data op is left "
     "pending and the group is unusable from now on (create a new group, or restart)"
@@ -47,64 +55,60 @@ Table = tuple[Row, ...]
 
 
 def row_length(group: Group) -> int:
-    """Length of every control row on ``group``."""
+    """Length of every row on ``group``."""
     return HEADER + group.size
 
 
-def normalized(rows: list[list[int]]) -> Table:
+def normalized(rows: Sequence[Sequence[int]]) -> Table:
     """The table with every row's magic made :data:`MAGIC` (the FAST mark is not part of the call)."""
     return tuple((MAGIC, *r[1:]) if r and r[0] == FAST else tuple(r) for r in rows)
 
 
-class Node:
-    """A verified table, this rank's row in it, and the table that followed it last time. The
-    tensors a predicted post needs (this rank's row and the whole table, marked FAST) are built once."""
+def _contradicts(rows: dict[int, list[int]], expect: Node | None) -> bool:
+    """Whether some published row is not its rank's row of the prediction."""
+    if expect is None:
+        return bool(rows)
+    return any(normalized([row])[0] != expect.rows[r] for r, row in rows.items())
 
-    __slots__ = ("_fast_row", "_fast_table", "mine", "next", "rows")
+
+class Node:
+    """A verified table, this rank's row in it, and the table that followed it last time."""
+
+    __slots__ = ("mine", "next", "rows")
 
     def __init__(self, rows: Table, mine: Row) -> None:
         self.rows, self.mine = rows, mine
         self.next: Node | None = None
-        self._fast_row: torch.Tensor | None = None
-        self._fast_table: torch.Tensor | None = None
-
-    def fast_row(self) -> torch.Tensor:
-        if self._fast_row is None:
-            self._fast_row = torch.tensor([FAST, *self.mine[1:]], dtype=torch.int64)
-        return self._fast_row
-
-    def fast_table(self) -> torch.Tensor:
-        """The table (flat) the control allgather returns when every rank's call was the predicted one."""
-        if self._fast_table is None:
-            flat = [v for r in self.rows for v in (FAST, *r[1:])]
-            self._fast_table = torch.tensor(flat, dtype=torch.int64)
-        return self._fast_table
 
 
-class Posted:
-    """A row posted without waiting: the allgather's work, its output, the table it must produce."""
+@dataclass(eq=False)
+class Pending:
+    """An op this rank issued on the prediction ``expect`` (its row ``mine``) at sequence ``seq``."""
 
-    __slots__ = ("expect", "lock", "out", "rows", "where", "work")
+    seq: int
+    expect: Node
+    where: str
+    works: list[Any] = field(default_factory=list)
+    published: bool = False
 
-    def __init__(self, out: torch.Tensor, expect: Node, where: str) -> None:
-        self.out, self.expect, self.where = out, expect, where
-        self.work: Any = None  # the allgather, once posted (right after the op's data is issued)
-        self.rows: list[list[int]] | None = None
-        self.lock = threading.Lock()
+    def done(self) -> bool:
+        return bool(self.works) and all(w.is_completed() for w in self.works)
 
 
 class ControlState:
-    """What one rank knows about one control process group (see the module docstring)."""
+    """What one rank knows about one group's checked ops (see the module docstring)."""
 
-    def __init__(self, pg: Any) -> None:
+    def __init__(self, pg: Any, store: Any) -> None:
         self.pg = weakref.ref(pg)  # never keeps a freed group's process group alive
-        self.lock = threading.Lock()
+        self.store = store
+        self.lock = threading.RLock()
         self.root = Node((), ())
         self.last = self.root
         self.tables: dict[Table, Node] = {}
-        self.posted: collections.deque[Posted] = collections.deque()
+        self.seq = 0
+        self.pending: collections.deque[Pending] = collections.deque()
         self.broken: str | None = None
-        #: how many checks took the blocking exchange, and how many the predicted path
+        #: how many checks met the other ranks in the store, and how many took the predicted path
         self.blocking = 0
         self.predicted = 0
 
@@ -125,65 +129,104 @@ class ControlState:
         self.last = node
         return node
 
-    # -- rows posted without waiting ------------------------------------------------------------
-    def post_predicted(self, g: Group, node: Node, where: str) -> Posted:
-        """Take the predicted path: this rank's row (marked FAST) is posted without waiting by
-        :meth:`post`, right after the caller has issued the op's data (so that the control op never
-        delays the data op's start)."""
-        self.flush(g)
-        p = Posted(torch.empty(g.size * len(node.mine), dtype=torch.int64), node, where)
+    def take_seq(self) -> int:
         with self.lock:
-            self.posted.append(p)
+            self.seq += 1
+            return self.seq - 1
+
+    # -- the predicted path: nothing is sent -----------------------------------------------------
+    def predicted_op(self, node: Node, where: str) -> Pending:
+        with self.lock:
+            p = Pending(self.take_seq(), node, where)
             self.last = node
             self.predicted += 1
+            self.prune()
+            self.pending.append(p)
+            if len(self.pending) > MAX_PENDING:
+                self.pending.popleft()
         return p
 
-    @staticmethod
-    def post(p: Posted, g: Group) -> None:
-        if p.work is None:
-            p.work = g.control_pg._allgather_base(p.out, p.expect.fast_row())
-
-    def flush(self, g: Group) -> None:
-        """Post any row taken and not yet posted (an op that failed between its check and its
-        issue), so that the control allgathers stay in the same order on every rank."""
-        if self.posted and self.posted[-1].work is None:
-            for p in list(self.posted):
-                self.post(p, g)
-
-    def verify(self, p: Posted, g: Group, timeout: float) -> None:
-        """Wait (bounded) for a posted row's table; raise :class:`CollectiveMismatchError` (and mark
-        the group unusable) unless it is the predicted one."""
-        from lowband.comm.handle import comm_error
-
-        with p.lock:
-            if p.rows is None:
-                try:
-                    p.work.wait(datetime.timedelta(seconds=timeout))
-                except RuntimeError as exc:
-                    raise comm_error(f"{p.where} (argument check)", exc, timeout) from exc
-                # every rank's call predicted (the steady state), else look at the rows
-                same = torch.equal(p.out, p.expect.fast_table())
-                p.rows = [] if same else p.out.view(g.size, -1).tolist()
+    def prune(self, upto: Pending | None = None) -> None:
+        """Forget the predicted ops up to the last one whose data completed (or ``upto``): every
+        rank issued those, so no rank is left waiting at them for an answer."""
         with self.lock:
-            if p in self.posted:
-                self.posted.remove(p)
-        if p.rows and normalized(p.rows) != p.expect.rows:
-            raise self.fail(mismatch(p.where, g, p.rows))
+            last = -1
+            for i, p in enumerate(self.pending):
+                if p is upto or p.done():
+                    last = i
+            for _ in range(last + 1):
+                self.pending.popleft()
 
-    def drain(self, g: Group, timeout: float) -> None:
-        """Verify the posted rows whose tables are complete (never blocks)."""
-        while self.posted:
-            done = [p for p in list(self.posted) if p.work is not None and p.work.is_completed()]
-            if not done:
-                return
-            for p in done:
-                self.verify(p, g, timeout)
+    # -- rows in the store ------------------------------------------------------------------------
+    def publish(self, seq: int, rank: int, row: Sequence[int]) -> None:
+        self.store.set(f"{seq}/{rank}", " ".join(map(str, row)))
 
-    def settle(self, g: Group, timeout: float) -> None:
-        """Verify every posted row (bounded wait)."""
-        self.flush(g)
-        while self.posted:
-            self.verify(self.posted[0], g, timeout)
+    def present(self, seq: int, size: int) -> dict[int, list[int]]:
+        """The rows published for ``seq`` so far, by group rank (never blocks: a compare-and-set that
+        never sets reads a key, or says that it is missing, in one round trip)."""
+        out = {}
+        for r in range(size):
+            v = bytes(self.store.compare_set(f"{seq}/{r}", _NONE, _NONE))
+            if v != _NONE.encode():
+                out[r] = [int(x) for x in v.decode().split()]
+        return out
+
+    def read_done(self, seq: int, size: int) -> None:
+        """This rank needs ``seq``'s rows no more; the last rank to say so deletes them. A waiting rank
+        says so only when the table lets it go on: after a mismatch the rows stay for the ranks that
+        still have to see it."""
+        if self.store.add(f"{seq}/n", 1) == size:
+            for k in [*(f"{seq}/{r}" for r in range(size)), f"{seq}/n"]:
+                self.store.delete_key(k)
+
+    def look(self, g: Group) -> None:
+        """Answer the ranks that published a row at one of this rank's pending predicted ops (they
+        wait for every rank's row): publish this rank's row there, and raise the mismatch (the group
+        becomes unusable) if a published row is not its rank's row of the prediction."""
+        for p in list(self.pending):
+            rows = self.present(p.seq, g.size)
+            if not p.published and set(rows) - {g.rank}:
+                self.publish(p.seq, g.rank, (FAST, *p.expect.mine[1:]))
+                p.published = True
+                self.read_done(p.seq, g.size)
+            if _contradicts(rows, p.expect):
+                rows[g.rank] = [FAST, *p.expect.mine[1:]]
+                raise self.fail(mismatch(p.where, g, rows))
+
+    # -- the deviating path: meet the other ranks in the store -----------------------------------
+    def meet(
+        self, g: Group, seq: int, row: Sequence[int], where: str, timeout: float, label: str = "argument check"
+    ) -> list[list[int]]:
+        """Publish this rank's ``row`` for ``seq`` and wait (bounded) for every rank's; meanwhile
+        answer rows published at this rank's own pending predicted ops. Raises the mismatch (the
+        group becomes unusable) as soon as some rank issued the predicted op's data (its row is
+        FAST) while a published row is not the prediction's."""
+        expect = self.prediction()
+        self.publish(seq, g.rank, row)
+        keys = [f"{seq}/{r}" for r in range(g.size)]
+        start, look = time.monotonic(), FIRST_LOOK
+        while True:
+            left = timeout - (time.monotonic() - start)
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=max(min(look, left), 0.001)))
+                break
+            except RuntimeError:
+                if left <= look:
+                    missing = [g.ranks[r] for r in range(g.size) if not self.store.check([keys[r]])]
+                    raise CommTimeoutError(
+                        f"{where} ({label}): ranks {missing} of group {g.name!r} did not call a "
+                        f"checked op within {timeout:g} s (a peer may be dead, slow, or calling an "
+                        "unchecked op)"
+                    ) from None
+            rows = self.present(seq, g.size)
+            if any(r[F_MAGIC] == FAST for r in rows.values()) and _contradicts(rows, expect):
+                raise self.fail(mismatch(where, g, rows))
+            self.look(g)
+            look = min(2 * look, MAX_LOOK)
+        out = [[int(v) for v in bytes(b).decode().split()] for b in self.store.multi_get(keys)]
+        with self.lock:
+            self.blocking += 1
+        return out
 
     def fail(self, message: str) -> CollectiveMismatchError:
         """The error for a mismatch that left a data op pending; every later op on the group raises it."""
@@ -199,37 +242,35 @@ class ControlState:
 
 class Watched:
     """A data work of an op issued on a prediction. Waiting on it waits for the data; if that takes
-    long, it looks at the op's control table between waits, and raises the mismatch (instead of
-    waiting out the timeout) when the other ranks' calls were not the predicted ones, so their data
-    will never come. (When the data arrives, every rank issued it: no check is needed then; the table
-    is verified later, at the group's next op.)"""
+    long, it looks in the store between waits (:meth:`ControlState.look`) and raises the mismatch
+    (instead of waiting out the timeout) when another rank's call was not the predicted one, so its
+    data will never come."""
 
-    #: first and longest wait between looks at the control table, seconds
-    FIRST_LOOK, MAX_LOOK = 0.05, 0.5
-
-    def __init__(self, work: Any, state: ControlState, posted: Posted, g: Group) -> None:
-        self.work, self.state, self.posted, self.g = work, state, posted, g
+    def __init__(self, work: Any, state: ControlState, pending: Pending, g: Group) -> None:
+        self.work, self.state, self.pending, self.g = work, state, pending, g
 
     def wait(self, timeout: datetime.timedelta) -> bool:
         total = timeout.total_seconds()
         start = time.monotonic()
-        look = self.FIRST_LOOK
+        look = FIRST_LOOK
         while True:
             left = total - (time.monotonic() - start)
             try:
                 self.work.wait(datetime.timedelta(seconds=max(min(look, left), 0.0)))
-                return True
+                break
             except RuntimeError:
                 if self.work.is_completed():
                     # it completed after the look timed out (a timed-out wait does not cancel a
                     # collective's work): one more wait returns, or raises the work's own error
                     self.work.wait(datetime.timedelta(seconds=max(left, 1.0)))
-                    return True
+                    break
                 if left <= look:
                     raise  # the whole timeout passed
-            if self.posted.work.is_completed():
-                self.state.verify(self.posted, self.g, total)
-            look = min(2 * look, self.MAX_LOOK)
+            self.state.look(self.g)
+            look = min(2 * look, MAX_LOOK)
+        if self.pending.done():
+            self.state.prune(self.pending)
+        return True
 
     def is_completed(self) -> bool:
         return bool(self.work.is_completed())
@@ -238,41 +279,19 @@ class Watched:
         return self.work.get_future()
 
 
-class Guard:
-    """The only "work" of an op issued on a prediction that moves no data (an empty tensor): waiting
-    on it waits for the control table and raises the mismatch if the prediction was wrong."""
-
-    def __init__(self, state: ControlState, posted: Posted, g: Group) -> None:
-        self.state, self.posted, self.g = state, posted, g
-
-    def wait(self, timeout: datetime.timedelta) -> bool:
-        self.state.verify(self.posted, self.g, timeout.total_seconds())
-        return True
-
-    def is_completed(self) -> bool:
-        return bool(self.posted.work.is_completed())
-
-    def get_future(self) -> Any:
-        return self.posted.work.get_future()
-
-
 @dataclass(eq=False)
 class Prediction:
     """What an op issued on a prediction hands to its handle: its data works are watched."""
 
     state: ControlState
-    posted: Posted
+    pending: Pending
     group: Group
 
-    def post(self) -> None:
-        """Post this rank's row (call right after issuing the op's data works)."""
-        self.state.post(self.posted, self.group)
-
     def watch(self, works: list[Any]) -> list[Any]:
-        """The op's works, watched (a lone guard when the op moves no data)."""
-        if not works:
-            return [Guard(self.state, self.posted, self.group)]
-        return [Watched(w, self.state, self.posted, self.group) for w in works]
+        """The op's works, watched (an op that moves no data has none: a rank left waiting at it is
+        answered at this rank's next wait for data on the group)."""
+        self.pending.works = works
+        return [Watched(w, self.state, self.pending, self.group) for w in works]
 
 
 def left_pending(ctx: Any) -> bool:
@@ -283,8 +302,10 @@ def left_pending(ctx: Any) -> bool:
 
 
 def state_of(g: Group) -> ControlState:
-    """This rank's :class:`ControlState` of ``g``'s control process group."""
-    from lowband.runtime import current
+    """This rank's :class:`ControlState` of ``g`` (shared by its :meth:`Group.unchecked` views)."""
+    from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+
+    from lowband.runtime import current, rendezvous_store
 
     ctx = current("the argument check")
     states: dict[int, ControlState] = ctx.state.setdefault(__name__, {})
@@ -293,59 +314,44 @@ def state_of(g: Group) -> ControlState:
     if st is None or st.pg() is not pg:
         for key in [k for k, v in states.items() if v.pg() is None]:
             del states[key]  # states of freed process groups
-        st = states[id(pg)] = ControlState(pg)
+        ident = g.key or f"{g.name}{list(g.ranks)}"
+        st = states[id(pg)] = ControlState(pg, PrefixStore(f"lowband/check/{ident}/", rendezvous_store(ctx)))
     return st
 
 
-def mismatch(where: str, g: Group, rows: list[list[int]]) -> str:
-    """What differs in ``rows``: the first rank whose call differs from the group's first rank's."""
+def mismatch(where: str, g: Group, rows: dict[int, list[int]]) -> str:
+    """What differs in the published ``rows`` (by group rank): the first two ranks whose calls differ."""
     from lowband.comm.validate import describe
 
-    table = normalized(rows)
-    r = next((i for i, row in enumerate(table) if row != table[0]), None)
-    if r is None:  # same calls, but some ranks took the predicted path and others needed the table
-        fast = [g.ranks[i] for i, row in enumerate(rows) if row[F_MAGIC] == FAST]
+    ranks = sorted(rows)
+    table = dict(zip(ranks, normalized([rows[r] for r in ranks]), strict=True))
+    a = ranks[0]
+    b = next((r for r in ranks if table[r] != table[a]), None)
+    if b is None:  # same calls, but some ranks took the predicted path and others needed the table
+        fast = [g.ranks[r] for r in ranks if rows[r][F_MAGIC] == FAST]
         return (
-            f"{where} (group {g.name!r}): ranks {fast} issued {describe(list(table[0]), True)} without "
+            f"{where} (group {g.name!r}): ranks {fast} issued {describe(list(table[a]), True)} without "
             "waiting for the other ranks' sizes while others asked for them"
         )
     return (
-        f"{where} (group {g.name!r}): the ranks' calls differ: rank {g.ranks[0]} called "
-        f"{describe(list(table[0]), True)}, rank {g.ranks[r]} called {describe(list(table[r]), True)}"
+        f"{where} (group {g.name!r}): the ranks' calls differ: rank {g.ranks[a]} called "
+        f"{describe(list(table[a]), True)}, rank {g.ranks[b]} called {describe(list(table[b]), True)}"
     )
 
 
 def exchange(
-    group: Group,
-    row: torch.Tensor,
-    where: str,
-    timeout: float,
-    *,
-    expect: Node | None = None,
-    label: str = "argument check",
+    group: Group, row: torch.Tensor, where: str, timeout: float, *, label: str = "argument check"
 ) -> list[list[int]]:
-    """Allgather ``row`` (int64, :func:`row_length` long) from every rank of ``group`` on its control
-    process group and return the ``group.size`` rows (bounded by ``timeout`` seconds; ``where`` and
-    ``label`` name the caller in errors).
-
-    Rows this rank posted earlier without waiting are verified first. If some rank issued its op's
-    data on a prediction (its row is marked FAST) and the table is not ``expect``'s, the ranks' calls
-    differ and a data op is pending: every rank raises :class:`CollectiveMismatchError` and the group
-    is marked unusable.
-    """
-    from lowband.comm.handle import comm_error
-
+    """Every rank's ``row`` (int64, :func:`row_length` long) of ``group``, met through the store at the
+    group's next op sequence number (bounded by ``timeout`` seconds; ``where`` and ``label`` name the
+    caller in errors). If some rank issued its op's data on a prediction meanwhile (its row is FAST),
+    the ranks' calls differ and a data op is pending: every rank raises
+    :class:`CollectiveMismatchError` and the group is marked unusable."""
     st = state_of(group)
     st.usable(where)
-    st.settle(group, timeout)
-    out = torch.empty(group.size * row.numel(), dtype=torch.int64)
-    try:
-        work = group.control_pg._allgather_base(out, row)
-        work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise comm_error(f"{where} ({label})", exc, timeout) from exc
-    rows: list[list[int]] = out.view(group.size, row.numel()).tolist()
-    st.blocking += 1
-    if any(r[F_MAGIC] == FAST for r in rows) and (expect is None or normalized(rows) != expect.rows):
-        raise st.fail(mismatch(where, group, rows))
+    seq = st.take_seq()
+    rows = st.meet(group, seq, [int(v) for v in row.tolist()], where, timeout, label)
+    if any(r[F_MAGIC] == FAST for r in rows):
+        raise st.fail(mismatch(where, group, dict(enumerate(rows))))
+    st.read_done(seq, group.size)  # every rank read the same table: none needs it again
     return rows

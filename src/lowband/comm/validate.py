@@ -1,40 +1,42 @@
 """Argument checks: local ones (types, dtypes, ranks) and the cross-rank check of every collective.
 
 gloo aborts the whole process (``terminate called after throwing gloo::EnforceNotMet``) when ranks
-pass buffers of different sizes to one collective. The cross-rank check prevents that: every rank
-contributes a small int64 signature (op, dtype, shape, root/op argument, split sizes) to an allgather
-on the group's control process group, and every rank raises the same
-:class:`CollectiveMismatchError` naming the ranks and the values that differ.
-``lowband.init(check=False)`` (or ``LOWBAND_CHECK=0``, or :meth:`Group.unchecked`) turns it off. Ops
-that need the other ranks' sizes anyway (allgather without ``sizes``, alltoall without
-``recv_splits``) always wait for the table and get the check for free.
+pass buffers of different sizes to one collective. The cross-rank check prevents that: the ranks
+compare small int64 signatures (op, dtype, shape, root/op argument, split sizes), and every rank that
+would otherwise issue mismatched data raises :class:`CollectiveMismatchError` naming the ranks and
+the values that differ. ``lowband.init(check=False)`` (or ``LOWBAND_CHECK=0``, or
+:meth:`Group.unchecked`) turns it off. Ops that need the other ranks' sizes anyway (allgather without
+``sizes``, alltoall without ``recv_splits``) always meet the other ranks and read the sizes there.
 
-Without a round trip per op (:func:`check`). Waiting for the table before every op would cost one
-round trip each. Instead every rank keeps, per control process group, the verified tables in a
-successor map: "after table A (every rank's signature at one op) came table B". The map changes
-only when a table has been exchanged and verified by every rank, so it is the same on every rank,
-and so is the prediction ``P`` of the next table (the successor of the last one). Then, per op:
+No message at all per op in the steady state (:func:`check`). Every rank keeps, per group, the
+verified tables (every rank's signature at one op) in a successor map: "after table A came table B".
+The map changes only when every rank has read the same verified table, so it is the same on every
+rank, and so is the prediction ``P`` of the next table (the successor of the last one). Each checked
+op has a sequence number ``s``, the same on every rank while the calls agree. Per op:
 
-* a rank whose signature is its row of ``P`` posts its row (marked FAST) without waiting and issues
-  the data op at once, with the sizes ``P`` gives;
-* any other rank (or every rank, when there is no prediction) posts its row and waits for the table.
+* predicted path: a rank whose signature is its row of ``P`` issues the data op at once, with the
+  sizes ``P`` gives, and sends nothing; it remembers ``(s, P)`` until the op's data completes;
+* deviating path: any other rank (every rank, when there is no prediction, or for an agreement)
+  publishes its row under ``s/rank`` in the rendezvous store (a prefix per group) and waits (bounded)
+  for every rank's row at ``s``, then checks the table as a whole;
+* a predicted rank whose data is late looks (50 ms, doubling to 0.5 s) in the store at each of its
+  remembered ops; where another rank published, it publishes its own row (marked FAST) and raises if
+  a published row is not its rank's row of ``P``. A deviating rank looks likewise while it waits.
 
-Why this is safe. If every rank's signature is its row of ``P``, the ranks issue exactly the ops of a
-verified table: the sizes fit. Otherwise some rank ``d`` waits for the table ``T``. If ``T`` has no
-FAST row, no rank issued data: every rank waited, sees the same ``T``, and checks it as before (and
-the map records ``T`` everywhere). If ``T`` has a FAST row, some rank issued ``P``'s data op, which
-``d`` will not match: ``d`` raises (unless ``T`` is ``P`` after all: a rank that needed the sizes
-while the others had them), and never issues a data op of that size into the pending one. The FAST
-ranks' handles wait for ``T`` before the data (the first "work" of their handle is the control
-allgather), see that it is not ``P``, and raise the same error instead of waiting for data that will
-not come; their next op or exchange on the group also verifies any table still unverified. Two ranks
-cannot both take the fast path with different ops: both would have to equal their rows of the same
-``P``. The control allgathers stay aligned because every rank posts exactly one row per checked op,
-waiting or not. After such a mismatch a data op is left pending, so the group is marked unusable:
-every later op on it raises at once (never issuing data that gloo could pair with the pending op).
+Why this is safe. A data op is issued only (a) on the predicted path, where every rank that issues
+issues ``P``'s op at ``s``, or (b) after reading every rank's row at ``s``: with no FAST row, no rank
+issued data at ``s`` and every rank read the same table and decides alike; with a FAST row, only if
+the table is ``P`` (a rank that needed the sizes while the others had them). So no two ranks ever
+issue different sizes at one ``s``. Liveness: a deviating rank waits for rows that the predicted ranks
+publish when their data (which cannot complete without it) is late, and a FAST row next to a row
+that is not ``P``'s is a mismatch every rank that sees it raises at once, marking the group unusable
+(a data op is left pending: every later op on it raises, never issuing data gloo could pair with it).
+A predicted rank that never waits on the group again answers nobody: the deviating rank then gets a
+:class:`CommTimeoutError` after the timeout. Keys are deleted once every rank has read them (a
+counter per ``s``); after a mismatch or a timeout they stay (a few per broken group).
 
-The steady state costs one small nonblocking allgather per op, overlapping the data op, instead of a
-round trip before it. A rank's local argument errors are raised before anything is posted.
+The steady state sends nothing beyond the data; a deviating op costs a few store round trips. A
+rank's local argument errors are raised before anything is published.
 """
 
 from __future__ import annotations
@@ -205,26 +207,31 @@ def check(
 ) -> tuple[Sequence[Sequence[int]], control.Prediction | None]:
     """The cross-rank check of one op (see the module docstring): ``(table, guard)``.
 
-    ``table`` holds every rank's signature (read sizes from it); ``guard`` is None when the table was
-    waited for, else what the op's handle must watch its data works with (``make_handle(guard=)``). ``needs_table``: this rank needs the
-    others' sizes, so it always waits. ``fits(predicted table)``: whether a prediction agrees with this
-    rank's other arguments (sizes it was given); if not, the rank waits. Raises
-    :class:`CollectiveMismatchError` on every rank when the calls do not fit together.
+    ``table`` holds every rank's signature (read sizes from it); ``guard`` is None when the ranks met
+    in the store, else what the op's handle must watch its data works with (``make_handle(guard=)``).
+    ``needs_table``: this rank needs the others' sizes, so it always meets them. ``fits(predicted
+    table)``: whether a prediction agrees with this rank's other arguments (sizes it was given); if
+    not, the rank meets the others. Raises :class:`CollectiveMismatchError` on every rank when the
+    calls do not fit together.
     """
     where = f"lowband.{op} on rank {g.world_rank}"
     st = control.state_of(g)
     st.usable(where)
-    st.drain(g, timeout)
     node = st.prediction()
     if node is not None and not needs_table and node.mine == tuple(sig) and (fits is None or fits(node.rows)):
-        return node.rows, control.Prediction(st, st.post_predicted(g, node, where), g)
-    t = torch.tensor(sig, dtype=torch.int64)
-    rows = control.exchange(g, t, where, timeout, expect=node)
+        return node.rows, control.Prediction(st, st.predicted_op(node, where), g)
+    seq = st.take_seq()
+    rows = st.meet(g, seq, sig, where, timeout)
     table = control.normalized(rows)
-    if node is None or table != node.rows:
+    fast = any(r[control.F_MAGIC] == control.FAST for r in rows)
+    if fast and (node is None or table != node.rows):
+        # some ranks issued the predicted op's data and the table is not the prediction
+        raise st.fail(control.mismatch(where, g, dict(enumerate(rows))))
+    st.read_done(seq, g.size)  # with FAST rows, only when they are let go on (the table is P)
+    if not fast and (node is None or table != node.rows):
         check_rows(op, g, rows, vary_dim0=vary_dim0, arg_name=arg_name)
     st.advance(table, g.rank)
-    return rows, None
+    return table, None
 
 
 def check_rows(
