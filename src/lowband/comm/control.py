@@ -195,7 +195,13 @@ class ControlState:
 
     # -- the deviating path: meet the other ranks in the store -----------------------------------
     def meet(
-        self, g: Group, seq: int, row: Sequence[int], where: str, timeout: float, label: str = "argument check"
+        self,
+        g: Group,
+        seq: int,
+        row: Sequence[int],
+        where: str,
+        timeout: float,
+        label: str = "argument check",
     ) -> list[list[int]]:
         """Publish this rank's ``row`` for ``seq`` and wait (bounded) for every rank's; meanwhile
         answer rows published at this rank's own pending predicted ops. Raises the mismatch (the
@@ -214,8 +220,8 @@ class ControlState:
                 if left <= look:
                     missing = [g.ranks[r] for r in range(g.size) if not self.store.check([keys[r]])]
                     raise CommTimeoutError(
-                        f"{where} ({label}): ranks {missing} of group {g.name!r} did not call a "
-                        f"checked op within {timeout:g} s (a peer may be dead, slow, or calling an "
+                        f"{where} ({label}): no completion within {timeout:g} s: ranks {missing} of group "
+                        f"{g.name!r} did not call a checked op (a peer may be dead, slow, or calling an "
                         "unchecked op)"
                     ) from None
             rows = self.present(seq, g.size)
