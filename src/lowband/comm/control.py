@@ -44,6 +44,8 @@ MAX_TABLES = 4096
 MAX_PENDING = 4096
 #: first and longest wait between looks at the store while data or rows are late, seconds
 FIRST_LOOK, MAX_LOOK = 0.05, 0.5
+#: first and longest pause between polls of the store for the other ranks' rows, seconds
+POLL, MAX_POLL = 0.0002, 0.005
 _NONE = "-"  # what :meth:`ControlState.present` reads for a key not published
 UNUSABLE = (
     "some ranks had already issued the op their previous calls predicted, so a data op is left "
@@ -210,25 +212,26 @@ class ControlState:
         expect = self.prediction()
         self.publish(seq, g.rank, row)
         keys = [f"{seq}/{r}" for r in range(g.size)]
-        start, look = time.monotonic(), FIRST_LOOK
-        while True:
-            left = timeout - (time.monotonic() - start)
-            try:
-                self.store.wait(keys, datetime.timedelta(seconds=max(min(look, left), 0.001)))
-                break
-            except RuntimeError:
-                if left <= look:
-                    missing = [g.ranks[r] for r in range(g.size) if not self.store.check([keys[r]])]
-                    raise CommTimeoutError(
-                        f"{where} ({label}): no completion within {timeout:g} s: ranks {missing} of group "
-                        f"{g.name!r} did not call a checked op (a peer may be dead, slow, or calling an "
-                        "unchecked op)"
-                    ) from None
-            rows = self.present(seq, g.size)
-            if any(r[F_MAGIC] == FAST for r in rows.values()) and _contradicts(rows, expect):
-                raise self.fail(mismatch(where, g, rows))
-            self.look(g)
-            look = min(2 * look, MAX_LOOK)
+        start, look, delay = time.monotonic(), FIRST_LOOK, POLL
+        next_look = start + look
+        while not self.store.check(keys):  # polled: a timed-out store wait logs a warning
+            now = time.monotonic()
+            if now - start >= timeout:
+                missing = [g.ranks[r] for r in range(g.size) if not self.store.check([keys[r]])]
+                raise CommTimeoutError(
+                    f"{where} ({label}): no completion within {timeout:g} s: ranks {missing} of group "
+                    f"{g.name!r} did not call a checked op (a peer may be dead, slow, or calling an "
+                    "unchecked op)"
+                )
+            if now >= next_look:
+                rows = self.present(seq, g.size)
+                if any(r[F_MAGIC] == FAST for r in rows.values()) and _contradicts(rows, expect):
+                    raise self.fail(mismatch(where, g, rows))
+                self.look(g)
+                look = min(2 * look, MAX_LOOK)
+                next_look = time.monotonic() + look
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_POLL)
         out = [[int(v) for v in bytes(b).decode().split()] for b in self.store.multi_get(keys)]
         with self.lock:
             self.blocking += 1
