@@ -225,3 +225,19 @@ def test_a_new_pattern_on_every_rank_is_not_a_mismatch() -> None:
 
     for got in run_threads(body, 3, comm_timeout=COMM_TIMEOUT):
         assert got == [3.0 * it for it in range(12)]
+
+
+def test_rows_met_in_the_store_are_deleted_once_every_rank_read_them() -> None:
+    """Ops that need the other ranks' sizes meet in the store every time; their rows do not pile up."""
+
+    def body() -> tuple[list[str], int, int]:
+        r = lowband.rank()
+        for it in range(8):
+            lowband.allgather(data(r, (r + 1, 2), torch.float64, salt=it))
+        lowband.allreduce(torch.ones(2))  # every rank got past the last meeting's deletion
+        st = _state()
+        keys = [f"{s}/{q}" for s in range(st.seq) for q in range(3)] + [f"{s}/n" for s in range(st.seq)]
+        return [k for k in keys if st.store.check([k])], st.seq, st.blocking
+
+    for left, seq, met in run_threads(body, 3, comm_timeout=COMM_TIMEOUT):
+        assert left == [] and seq == 9 and met == 9

@@ -1,15 +1,17 @@
 """Cross-rank agreement: every rank learns whether all ranks of a group hold the same small values.
 
 :func:`agree` is the one mechanism for "every rank must have passed the same thing" (a model's layer
-layout, a schedule, a window's signature): every rank contributes a row of int64 to one allgather on
-the group's control process group (bounded wait), and every rank raises the same
+layout, a schedule, a window's signature): every rank contributes a row of int64, the ranks meet
+through the rendezvous store (bounded wait), and every rank raises the same
 :class:`CollectiveMismatchError`, naming what differs, the differing values and the ranks.
 
-:func:`exchange` (from :mod:`lowband.comm.control`) is the allgather itself, shared with the per-op
-argument check (:mod:`lowband.comm.validate`) and the neighbor ops' topology check. Every row posted
-on a control process group has the same length (``HEADER + group size``) and starts with
-:data:`MAGIC` and an op code, so a rank agreeing on one thing while another checks a collective gets
-a clean error naming both, never a size mismatch inside gloo (which would abort the process).
+:func:`exchange` (from :mod:`lowband.comm.control`) is that meeting, shared with the per-op argument
+check (:mod:`lowband.comm.validate`) and the neighbor ops' topology check: it takes the group's next
+op sequence number, like a checked op that was not predicted. Every row has the same length
+(``HEADER + group size``) and starts with :data:`MAGIC` and an op code, so a rank agreeing on one
+thing while another checks a collective gets a clean error naming both, never a size mismatch inside
+gloo (which would abort the process). Only values too long for a row take one more allgather, on the
+group's control process group.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def agree(
     ``what`` says what the values are ("the model's layer layout"); ``fields`` optionally names each
     value (shown in the error with the differing values and ranks); ``where`` is the caller's label
     for errors (default ``lowband.agree on rank R``). Any number of ints: up to ``7 + group size`` of
-    them travel in one small allgather, more in a second one when (and only when) their hashes differ.
+    them travel in one store meeting, more in an allgather when (and only when) their hashes differ.
     Independent of the per-op check setting: it is the check.
     """
     from lowband.runtime import world_group

@@ -1,6 +1,6 @@
 """The topology check of the neighbor ops (BlueFog paper §VI-C): one small exchange before the data moves.
 
-Every rank contributes one int64 row to an allgather on the group's control process group: the op, the
+Every rank contributes one int64 row, met through the rendezvous store (lowband.comm.agree.exchange): the op, the
 tensor's dtype and shape, and one slot per rank of the group holding two bits, "I send to you" and "I
 receive from you", plus two flags saying which of the two sets the rank knows (a push-only call knows
 whom it sends to but not whom it receives from; a pull-only call the reverse). From the table every rank
@@ -49,7 +49,7 @@ def make_row(op: str, dtype: torch.dtype, shape: Sequence[int], peers: Peers, si
 def exchange(
     op: str, g: Group, row: torch.Tensor, timeout: float, *, vary_dim0: bool = False
 ) -> list[list[int]]:
-    """Allgather every rank's row on the control process group (bounded wait) and check that the ranks
+    """Every rank's row, met through the rendezvous store (bounded wait), and check that the ranks
     called the same op with the same dtype and shape (only the first dimension may differ if
     ``vary_dim0``): every rank raises the same :class:`CollectiveMismatchError` otherwise."""
     rows = agree.exchange(g, row, f"lowband.{op} on rank {g.world_rank} (topology check)", timeout)
