@@ -149,14 +149,15 @@ class ControlState:
         return p
 
     def prune(self, upto: Pending | None = None) -> None:
-        """Forget the predicted ops up to the last one whose data completed (or ``upto``): every
-        rank issued those, so no rank is left waiting at them for an answer."""
+        """Forget the predicted ops whose data completed, oldest first, and every op up to ``upto`` (an
+        op whose data completed): every rank issued those, so no rank is left waiting at them for an
+        answer. Constant time per op in the steady state."""
         with self.lock:
-            last = -1
-            for i, p in enumerate(self.pending):
-                if p is upto or p.done():
-                    last = i
-            for _ in range(last + 1):
+            if upto is not None and upto in self.pending:
+                while self.pending[0] is not upto:
+                    self.pending.popleft()
+                self.pending.popleft()
+            while self.pending and self.pending[0].done():
                 self.pending.popleft()
 
     # -- rows in the store ------------------------------------------------------------------------
