@@ -152,12 +152,9 @@ class ControlState:
         """Forget the predicted ops whose data completed, oldest first, and every op up to ``upto`` (an
         op whose data completed): every rank issued those, so no rank is left waiting at them for an
         answer. Constant time per op in the steady state."""
+        last = upto.seq if upto is not None else -1
         with self.lock:
-            if upto is not None and upto in self.pending:
-                while self.pending[0] is not upto:
-                    self.pending.popleft()
-                self.pending.popleft()
-            while self.pending and self.pending[0].done():
+            while self.pending and (self.pending[0].seq <= last or self.pending[0].done()):
                 self.pending.popleft()
 
     # -- rows in the store ------------------------------------------------------------------------
@@ -278,8 +275,7 @@ class Watched:
                     raise  # the whole timeout passed
             self.state.look(self.g)
             look = min(2 * look, MAX_LOOK)
-        if self.pending.done():
-            self.state.prune(self.pending)
+        self.state.prune(self.pending)  # its data completed: every rank issued it
         return True
 
     def is_completed(self) -> bool:
