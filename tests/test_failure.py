@@ -113,7 +113,10 @@ def test_launch_reports_root_cause_first() -> None:
         r"lowband\.launch: rank 1 failed \([^)]*\): ValueError: rank 1 was told to fail\n", msg
     ), msg
     assert "in _fail_while_peers_wait" in msg  # the root cause's traceback
-    assert "\nthen: rank 0 " in msg, msg
+    # rank 0's follow-on error, when it got to report one before torch's agent stopped it, comes after
+    assert "rank 0" not in msg.split("\n", 1)[0], msg
+    if "rank 0" in msg:
+        assert "\nthen: rank 0 " in msg, msg
 
 
 def test_launch_dead_rank_bounded() -> None:
