@@ -113,18 +113,6 @@ def allgather(
     return iallgather(tensor, sizes=sizes, name=name, group=group).wait()
 
 
-def _check_splits(
-    op: str, rank: int, what: str, splits: Sequence[int], p: int, total: int | None
-) -> list[int]:
-    s = validate.ints_arg(op, rank, what, splits)
-    if len(s) != p or any(x < 0 for x in s) or (total is not None and sum(s) != total):
-        need = f" summing to {total}" if total is not None else ""
-        raise InvalidArgumentError(
-            f"lowband.{op} on rank {rank}: {what}={s} must be {p} non-negative ints{need}"
-        )
-    return s
-
-
 def ialltoall(
     tensor: torch.Tensor,
     splits: Sequence[int] | None = None,
@@ -155,11 +143,11 @@ def ialltoall(
             )
         send_splits = [n0 // p] * p
     else:
-        send_splits = _check_splits("alltoall", ctx.rank, "splits", splits, p, n0)
+        send_splits = validate.check_splits("alltoall", ctx.rank, "splits", splits, p, n0)
     rsplits = (
         None
         if recv_splits is None
-        else _check_splits("alltoall", ctx.rank, "recv_splits", recv_splits, p, None)
+        else validate.check_splits("alltoall", ctx.rank, "recv_splits", recv_splits, p, None)
     )
     guard = None
     if p > 1 and (rsplits is None or checking(ctx, g)):

@@ -127,6 +127,17 @@ def ints_arg(op: str, rank: int, what: str, values: object) -> list[int]:
     return out
 
 
+def check_splits(op: str, rank: int, what: str, splits: object, p: int, total: int | None) -> list[int]:
+    """``p`` non-negative ints (see :func:`ints_arg`), summing to ``total`` unless it is None."""
+    s = ints_arg(op, rank, what, splits)
+    if len(s) != p or any(x < 0 for x in s) or (total is not None and sum(s) != total):
+        need = f" summing to {total}" if total is not None else ""
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: {what}={s} must be {p} non-negative ints{need}"
+        )
+    return s
+
+
 def check_reduce_op(op: str, rank: int, reduce_op: object, dtype: torch.dtype) -> str:
     if reduce_op not in REDUCE_OPS:
         raise InvalidArgumentError(

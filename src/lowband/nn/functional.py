@@ -31,6 +31,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from lowband.comm import collectives as comm
+from lowband.comm import validate
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -92,20 +93,6 @@ def _graph_handle(
     return handle.map(wait)
 
 
-def _ints(op: str, rank: int, what: str, values: Sequence[int], p: int, total: int | None) -> list[int]:
-    out: list[int] = []
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise InvalidArgumentError(
-                f"lowband.nn.{op} on rank {rank}: {what}={list(values)} must hold non-negative ints"
-            )
-        out.append(v)
-    if len(out) != p or (total is not None and sum(out) != total):
-        need = f" summing to {total}" if total is not None else ""
-        raise InvalidArgumentError(f"lowband.nn.{op} on rank {rank}: {what}={out} must hold {p} ints{need}")
-    return out
-
-
 def _tensor(op: str, rank: int, x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise InvalidArgumentError(
@@ -161,7 +148,7 @@ def iallgather(
     s = (
         _exchange_dim0(x.shape[0], g)
         if sizes is None
-        else _ints("allgather", ctx.rank, "sizes", sizes, g.size, None)
+        else validate.check_splits("nn.allgather", ctx.rank, "sizes", sizes, g.size, None)
     )
     if s[g.rank] != x.shape[0]:
         raise InvalidArgumentError(
@@ -209,7 +196,7 @@ def ireduce_scatter(
             )
         s = [n0 // p] * p
     else:
-        s = _ints("reduce_scatter", ctx.rank, "sizes", sizes, p, n0)
+        s = validate.check_splits("nn.reduce_scatter", ctx.rank, "sizes", sizes, p, n0)
     h = _issue_reduce_scatter(x.detach(), op, s, name, g)
     scale = 1.0 / p if op == "average" else 1.0
 
@@ -258,12 +245,12 @@ def ialltoall(
             )
         send = [n0 // p] * p
     else:
-        send = _ints("alltoall", ctx.rank, "splits", splits, p, n0)
+        send = validate.check_splits("nn.alltoall", ctx.rank, "splits", splits, p, n0)
     if recv_splits is None:
         got = comm.alltoall(torch.tensor(send, dtype=torch.int64), group=group)[0]
         recv = [int(v) for v in got.tolist()]
     else:
-        recv = _ints("alltoall", ctx.rank, "recv_splits", recv_splits, p, None)
+        recv = validate.check_splits("nn.alltoall", ctx.rank, "recv_splits", recv_splits, p, None)
     h = comm.ialltoall(x.detach(), send, recv_splits=recv, name=name, group=g).map(lambda r: r[0])
 
     def transpose(grad: torch.Tensor) -> torch.Tensor:
