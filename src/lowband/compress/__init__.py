@@ -12,10 +12,22 @@ from lowband.compress.base import (
     register_compressor,
 )
 from lowband.compress.memory import Memory, NoMemory, ResidualMemory, reshard_memories
-from lowband.compress.reducer import AllreduceCompressedReducer, CompressedReducer
+from lowband.compress.reducer import TRANSPORTS, AllreduceCompressedReducer, CompressedReducer, make_reducer
 
 __all__ = [
-    "COMPRESSORS", "AllreduceCompressedReducer", "CompressContext", "CompressedReducer", "Compressor",
-    "Memory", "NoMemory", "Payload", "ResidualMemory", "make_compressor", "parse_spec",
-    "register_compressor", "reshard_memories",
+    "COMPRESSORS",
+    "TRANSPORTS",
+    "AllreduceCompressedReducer",
+    "CompressContext",
+    "CompressedReducer",
+    "Compressor",
+    "Memory",
+    "NoMemory",
+    "Payload",
+    "ResidualMemory",
+    "make_compressor",
+    "make_reducer",
+    "parse_spec",
+    "register_compressor",
+    "reshard_memories",
 ]  # fmt: skip

@@ -31,6 +31,7 @@ from lowband.compress.memory import Memory, NoMemory, ResidualMemory, Segments
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
+from lowband.registry import Registry
 
 Tensor = torch.Tensor
 
@@ -150,6 +151,25 @@ def make_memory(memory: Memory | str | None, where: str) -> Memory:
     raise InvalidArgumentError(f"{where}: memory must be 'residual', 'none' or a Memory, got {memory!r}")
 
 
+#: every transport: ``cls(compressor, memory, *, seed=..., **options) -> CompressedReducer``
+TRANSPORTS: Registry[type[CompressedReducer]] = Registry("transport")
+
+
+def make_reducer(
+    transport: str,
+    compressor: Compressor | str,
+    memory: Memory | str | None = "residual",
+    *,
+    seed: int = 0,
+    **options: Any,
+) -> CompressedReducer:
+    """The compressed reducer ``transport`` ("allreduce", "allgather", "ps", "twostage", ...) carrying
+    ``compressor`` with ``memory``; ``options`` go to the transport's constructor."""
+    cls = TRANSPORTS.get(transport, "make_reducer")
+    return cls(compressor, memory, seed=seed, **options)
+
+
+@TRANSPORTS.registering("allreduce", "payloads summed on the wire (summable formats: casts)")
 class AllreduceCompressedReducer(CompressedReducer):
     """Payloads summed on the wire by one allreduce per payload tensor (summable formats: casts), then
     decoded once and divided by the group size."""
