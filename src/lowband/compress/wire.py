@@ -81,16 +81,25 @@ def unframe(buf: Tensor, numel: int, dtype: torch.dtype) -> Payload:
         raise InvalidArgumentError(f"lowband compress wire: a framed payload of {buf.numel()} bytes")
     count = int(buf[:8].clone().view(torch.int64)[0])
     hb = header_bytes(count)
+    if count < 0 or buf.numel() < hb:
+        raise InvalidArgumentError(
+            f"lowband compress wire: a framed payload of {buf.numel()} bytes, header {hb}"
+        )
     head = buf[:hb].clone().view(torch.int64).tolist()
-    pos = hb
-    data = []
+    layout = []
     for k in range(count):
-        dt, n = DTYPES[head[1 + 2 * k]], head[2 + 2 * k]
-        size = n * torch.empty(0, dtype=dt).element_size()
+        code, n = head[1 + 2 * k], head[2 + 2 * k]
+        if not 0 <= code < len(DTYPES) or n < 0:
+            raise InvalidArgumentError(f"lowband compress wire: a corrupt header {head}")
+        layout.append((DTYPES[code], n, n * torch.empty(0, dtype=DTYPES[code]).element_size()))
+    total = hb + sum(size for _, _, size in layout)
+    if total != buf.numel():
+        raise InvalidArgumentError(
+            f"lowband compress wire: {buf.numel()} bytes for a framed payload of {total}"
+        )
+    data = []
+    pos = hb
+    for dt, n, size in layout:
         data.append(_view(buf[pos : pos + size], dt, n))
         pos += size
-    if pos != buf.numel():
-        raise InvalidArgumentError(
-            f"lowband compress wire: {buf.numel()} bytes for a framed payload of {pos}"
-        )
     return Payload(tuple(data), numel, dtype)
