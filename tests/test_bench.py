@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+import lowband
 from lowband.bench.config import BenchConfig
 from lowband.bench.metrics import COMPUTE, smoothed, summarize, time_to_target
 from lowband.bench.runner import run_bench
 from lowband.errors import InvalidArgumentError
 from lowband.testbed import have_root
+from lowband.testing import run_threads
 
 
 def _run(
@@ -139,6 +141,9 @@ def _check(res: dict[str, object], out: Path) -> None:
     assert loc["bytes_sent_per_rank_step"] < 0.7 * ddp["bytes_sent_per_rank_step"]
     assert ddp["compute_time"] > 0 and ddp["iter_time_median"] > 0
     assert "| ddp(" in str(res["markdown"])
+    for key in ("ddp", "localsgd:period=2"):  # every rank's Strategy.report, rank 0's as "report"
+        run = on_disk["raw"]["runs"][key]
+        assert len(run["report_ranks"]) == 2 and run["report"] == run["report_ranks"][0]
 
 
 def test_runner_loopback(tmp_path: Path) -> None:
@@ -246,3 +251,40 @@ def test_bench_refuses_ranks_the_machine_cannot_hold(
     with pytest.raises(RuntimeError, match="testbed started"):
         runner.run_bench(dataclasses.replace(ok, world_size=100, mode="loopback"), force=True)
     assert len(started) == 1
+
+
+def _reports() -> list[dict[str, object]]:
+    from lowband.bench.worker import gather_reports
+
+    r = lowband.rank()
+    return gather_reports({"rank": r, "table": [[r] * r], "name": "é" * r})
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_gather_reports_every_rank(n: int) -> None:
+    """Every rank's Strategy.report, in rank order, on every rank (uneven JSON lengths)."""
+    expect = [{"rank": r, "table": [[r] * r], "name": "é" * r} for r in range(n)]
+    assert run_threads(_reports, n, timeout=60) == [expect] * n
+
+
+def _bad_report() -> str:
+    from lowband.bench.worker import gather_reports
+
+    try:
+        gather_reports({"x": object()} if lowband.rank() == 1 else {"x": 1})
+    except InvalidArgumentError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_gather_reports_refuses_what_is_not_json_on_every_rank() -> None:
+    for msg in run_threads(_bad_report, 2, timeout=60):
+        assert "Strategy.report on rank 1: the report is not JSON-able" in msg
+
+
+def test_summary_carries_the_report() -> None:
+    run = _run(0.1, [2, 1], tx=0)
+    run["report"] = {"breakdown": {"compute_s": 0.05}}
+    raw = {"world_size": 2, "runs": {"x": run, COMPUTE: _run(0.05, [2, 1], tx=0)}}
+    row = summarize(raw, warmup_rounds=0, rank_rates=None, bytes_sharing=1, baselines=[])["strategies"]["x"]
+    assert row["report"] == {"breakdown": {"compute_s": 0.05}}

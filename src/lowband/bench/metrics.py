@@ -28,6 +28,7 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
   target accuracy; default target: the worst of the strategies' final accuracies.
 - predicted vs measured: strategies with a cost model report ``predicted_step_s``; the table shows it and
   measured / predicted.
+- report: the strategy's own :meth:`lowband.strategies.Strategy.report` (rank 0's), carried unchanged.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def summarize(
             "measured_over_predicted": it / predicted if predicted else None,
             "time_to_target_accuracy": time_to_accuracy(run, target_accuracy),
             "replica_spread": run["replica_spread"],
+            "report": run.get("report", {}),
         }
     for k, row in rows.items():
         row["speedup_vs"] = {}

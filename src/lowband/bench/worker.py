@@ -5,7 +5,8 @@ strategies train side by side in this one process: each keeps its own model, opt
 stream, and they take turns in rounds of ``steps_per_round`` steps (strategy A, B, C, compute-only, A,
 B, C, ...), so slow drifts of the machine hit every strategy alike. Per step it records the step time
 of every rank and the loss; per round the bytes that crossed this rank's link (kernel interface
-counters) and a held-out evaluation (time excluded). Rank 0 writes everything to ``raw.json``.
+counters) and a held-out evaluation (time excluded); at the end every rank's :meth:`Strategy.report`.
+Rank 0 writes everything to ``raw.json``.
 
 Sharded strategies (parameters living on one rank only, :attr:`Strategy.shards`) shard the workload's
 dense model themselves, so the compute-only copy is that dense model trained on the rank's own batches
@@ -30,10 +31,12 @@ import torch
 import lowband
 from lowband.bench.config import BenchConfig
 from lowband.bench.workloads import Workload, get_workload
+from lowband.errors import InvalidArgumentError
 from lowband.strategies import Strategy, make_strategy, parse_strategy_spec
 from lowband.testbed import read_iface_bytes
 
 COMPUTE = "compute-only"
+_BAD = "__not_json_able__"
 
 
 class ComputeOnly(Strategy):
@@ -67,6 +70,26 @@ def _iface_bytes() -> tuple[int, int]:
 def _gather(values: list[float]) -> list[list[float]]:
     t = torch.tensor(values, dtype=torch.float64)
     return lowband.allgather(t.unsqueeze(0)).tolist()  # type: ignore[no-any-return]
+
+
+def gather_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Collective: every rank's :meth:`Strategy.report`, in rank order (as JSON, so it must be JSON-able)."""
+    try:
+        data = json.dumps(report).encode()
+    except (TypeError, ValueError) as exc:  # still take part in the gather, then fail on every rank
+        data = json.dumps({_BAD: f"{exc}"}).encode()
+    mine = torch.tensor(list(data), dtype=torch.uint8)
+    sizes = lowband.allgather(torch.tensor([mine.numel()], dtype=torch.int64)).tolist()
+    flat = lowband.allgather(mine, sizes=sizes)
+    out, pos = [], 0
+    for n in sizes:
+        out.append(json.loads(bytes(flat[pos : pos + n].tolist()).decode()))
+        pos += n
+    bad = [(r, rep[_BAD]) for r, rep in enumerate(out) if _BAD in rep]
+    if bad:
+        r, why = bad[0]
+        raise InvalidArgumentError(f"Strategy.report on rank {r}: the report is not JSON-able: {why}")
+    return out
 
 
 def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) -> None:
@@ -178,11 +201,13 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
     out: dict[str, Any] = {"runs": {}}
     for run in runs:
         in_sync = run.strategy.in_sync()
+        reports = gather_reports(run.strategy.report())
         out["runs"][run.key] = {
             "name": run.strategy.name,
             "label": run.strategy.label(),
             "hparams": run.strategy.hparams(),
-            "report": run.strategy.report(),
+            "report": reports[0],
+            "report_ranks": reports,
             "segments": run.segments,
             "evals": run.evals,
             "in_sync": in_sync,

@@ -140,8 +140,11 @@ class Strategy:
         return {}
 
     def report(self) -> dict[str, Any]:
-        """Figures the strategy knows about itself, for the bench report: e.g. ``predicted_step_s``
-        (a cost model's predicted mean iteration time, compared there with the measured one)."""
+        """Facts the strategy knows about itself, for the bench's results (JSON-able: numbers, strings,
+        lists and dicts of them): e.g. ``predicted_step_s`` (a cost model's predicted mean iteration
+        time, compared there with the measured one), timings, tables. Local (no communication); the
+        bench stores every rank's, after the last round (rank 0's as ``report``, all as
+        ``report_ranks``)."""
         return {}
 
     def label(self) -> str:
