@@ -2,6 +2,7 @@
 ranks' payloads as reducers of the gradient stage (see docs/ARCHITECTURE.md, "compress/")."""
 
 from lowband.compress import casts as _casts  # noqa: F401  (registers identity, fp16, bf16)
+from lowband.compress.allgather import AllgatherCompressedReducer
 from lowband.compress.base import (
     COMPRESSORS,
     CompressContext,
@@ -12,22 +13,28 @@ from lowband.compress.base import (
     register_compressor,
 )
 from lowband.compress.memory import Memory, NoMemory, ResidualMemory, reshard_memories
+from lowband.compress.ps import PSCompressedReducer
 from lowband.compress.reducer import TRANSPORTS, AllreduceCompressedReducer, CompressedReducer, make_reducer
+from lowband.compress.twostage import TwoStageCompressedReducer, reshard_server_memories
 
 __all__ = [
     "COMPRESSORS",
     "TRANSPORTS",
+    "AllgatherCompressedReducer",
     "AllreduceCompressedReducer",
     "CompressContext",
     "CompressedReducer",
     "Compressor",
     "Memory",
     "NoMemory",
+    "PSCompressedReducer",
     "Payload",
     "ResidualMemory",
+    "TwoStageCompressedReducer",
     "make_compressor",
     "make_reducer",
     "parse_spec",
     "register_compressor",
     "reshard_memories",
+    "reshard_server_memories",
 ]  # fmt: skip

@@ -26,7 +26,7 @@ import torch
 
 from lowband.comm.handle import Handle
 from lowband.comm.reduce import iallreduce
-from lowband.compress.base import CompressContext, Compressor, Payload, make_compressor
+from lowband.compress.base import CompressContext, Compressor, Payload, check_option_types, make_compressor
 from lowband.compress.memory import Memory, NoMemory, ResidualMemory, Segments
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -105,13 +105,24 @@ class CompressedReducer(Reducer):
             segs = segments(unit, grads)
             cctx = CompressContext(unit.key, ctx.step, ctx.group.rank, self.seed)
             p = self.memory.compensate(segs, flat)
-            payload = self.compressor.compress(p, cctx)
-            if not isinstance(self.memory, NoMemory):
-                self.memory.update(segs, p, self.compressor.decompress(payload, cctx))
+            decode = not isinstance(self.memory, NoMemory)
+            payload, local = self.encode(p, cctx, segs, ctx.group, decode=decode)
+            if local is not None:
+                self.memory.update(segs, p, local)
         self.timings.compress_s += time.perf_counter() - t0
         self.timings.units += 1
         h = self.exchange(payload, cctx, unit, ctx.group)
         return h.map(lambda avg: unflatten_into(avg, grads))
+
+    def encode(
+        self, p: Tensor, cctx: CompressContext, segs: Segments, group: Group, *, decode: bool
+    ) -> tuple[Payload, Tensor | None]:
+        """Compress the compensated flat tensor ``p`` (the unit's parameters ``segs``, to be reduced
+        over ``group``): the payload :meth:`exchange` moves, and (when ``decode``) its local decode,
+        what the memory is updated with. Default: one payload of the whole tensor; a transport that
+        compresses pieces separately (one payload per shard) overrides it."""
+        payload = self.compressor.compress(p, cctx)
+        return payload, self.compressor.decompress(payload, cctx) if decode else None
 
     def decode(self, payload: Payload, cctx: CompressContext) -> Tensor:
         """Decompress, timed (for transports)."""
@@ -166,6 +177,8 @@ def make_reducer(
     """The compressed reducer ``transport`` ("allreduce", "allgather", "ps", "twostage", ...) carrying
     ``compressor`` with ``memory``; ``options`` go to the transport's constructor."""
     cls = TRANSPORTS.get(transport, "make_reducer")
+    TRANSPORTS.check_options(transport, options, f"make_reducer: transport {transport!r}")
+    check_option_types(f"make_reducer: transport {transport!r}", cls, options)
     return cls(compressor, memory, seed=seed, **options)
 
 
