@@ -79,10 +79,21 @@ def split_frames(buf: Tensor, count: int) -> list[Tensor]:
             )
         k = int(buf[pos : pos + 8].clone().view(torch.int64)[0])
         hb = header_bytes(k)
+        if k < 0 or buf.numel() < pos + hb:
+            raise InvalidArgumentError(
+                f"lowband compress wire: {buf.numel()} bytes end inside the header of payload {len(out)}"
+            )
         head = buf[pos : pos + hb].clone().view(torch.int64).tolist()
         size = hb
         for i in range(k):
-            size += head[2 + 2 * i] * torch.empty(0, dtype=DTYPES[head[1 + 2 * i]]).element_size()
+            code, count_i = head[1 + 2 * i], head[2 + 2 * i]
+            if not 0 <= code < len(DTYPES) or count_i < 0:
+                raise InvalidArgumentError(f"lowband compress wire: a corrupt header in payload {len(out)}")
+            size += count_i * torch.empty(0, dtype=DTYPES[code]).element_size()
+        if buf.numel() < pos + size:
+            raise InvalidArgumentError(
+                f"lowband compress wire: {buf.numel()} bytes end inside payload {len(out)} ({size} bytes at {pos})"
+            )
         out.append(buf[pos : pos + size])
         pos += size
     if pos != buf.numel():
