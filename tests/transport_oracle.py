@@ -100,9 +100,7 @@ LAYOUT: tuple[tuple[str, tuple[tuple[str, tuple[int, ...]], ...]], ...] = (
 
 
 def units() -> list[Unit]:
-    return [
-        Unit(key, tuple(n for n, _ in ps), tuple(torch.zeros(s) for _, s in ps)) for key, ps in LAYOUT
-    ]
+    return [Unit(key, tuple(n for n, _ in ps), tuple(torch.zeros(s) for _, s in ps)) for key, ps in LAYOUT]
 
 
 def grads(rank: int, step: int, unit: int, *, exact: bool = False, quiet: int | None = None) -> list[Tensor]:
@@ -220,7 +218,9 @@ def _contiguous(numels: list[int], n: int) -> list[Tensor]:
 def _per_parameter(numels: list[int], n: int) -> list[Tensor]:
     offsets = [sum(numels[:i]) for i in range(len(numels))]
     return [
-        torch.cat([o + torch.tensor_split(torch.arange(m), n)[j] for o, m in zip(offsets, numels, strict=True)])
+        torch.cat(
+            [o + torch.tensor_split(torch.arange(m), n)[j] for o, m in zip(offsets, numels, strict=True)]
+        )
         if numels
         else torch.empty(0, dtype=torch.long)
         for j in range(n)
