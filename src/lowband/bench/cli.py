@@ -170,6 +170,7 @@ def _bench(ns: argparse.Namespace) -> int:
         print("strategies:")
         for k, v in describe_strategies().items():
             print(f"  {k:12s} {v}")
+        _list_compression()
         from lowband.bench.collectives import _OPS
 
         print("collectives (for --collectives):")
@@ -188,6 +189,36 @@ def _bench(ns: argparse.Namespace) -> int:
         return 0
     _print_results(run_bench(cfg, force=ns.force))
     return 0
+
+
+def _options(factory: Callable[..., object]) -> str:
+    """A factory's keyword-only options with their defaults: ``key=default, ...``."""
+    import inspect
+
+    params = inspect.signature(factory).parameters.values()
+    return ", ".join(f"{p.name}={p.default}" for p in params if p.kind == p.KEYWORD_ONLY)
+
+
+def _list_compression() -> None:
+    """The ``compressed`` strategy's options and what it can be given: compressors, transports."""
+    from lowband.compress import COMPRESSORS, TRANSPORTS
+    from lowband.strategies import registry
+
+    print(f"  compressed options: {_options(registry.STRATEGIES.get('compressed'))}")
+    print("    e.g. -s \"ddp+compressed:compressor=fp16,reducer=allreduce\" (nested options with ';': "
+          "compressor=NAME:key=v;key=v)")  # fmt: skip
+    print("compressors (compressed:compressor=NAME[:key=value;...]):")
+    for k, v in COMPRESSORS.descriptions().items():
+        opts = _options(COMPRESSORS.get(k))
+        print(f"  {k:12s} {v}" + (f" [{opts}]" if opts else ""))
+    print(
+        "transports (compressed:reducer=NAME; auto = allreduce if the format sums on the wire, else allgather):"
+    )
+    for k, v in TRANSPORTS.descriptions().items():
+        opts = ", ".join(
+            o for o in _options(TRANSPORTS.get(k)).split(", ") if o and not o.startswith("seed=")
+        )
+        print(f"  {k:12s} {v}" + (f" [{opts}]" if opts else ""))
 
 
 def _demo(ns: argparse.Namespace) -> int:

@@ -12,9 +12,12 @@ from lowband.compress.base import (
     parse_spec,
     register_compressor,
 )
+from lowband.compress.hooks import ddp_hook
 from lowband.compress.memory import Memory, NoMemory, ResidualMemory, reshard_memories
+from lowband.compress.optimizer import CompressedOptimizer
 from lowband.compress.ps import PSCompressedReducer
 from lowband.compress.reducer import TRANSPORTS, AllreduceCompressedReducer, CompressedReducer, make_reducer
+from lowband.compress.specs import build_reducer
 from lowband.compress.twostage import TwoStageCompressedReducer, reshard_server_memories
 
 __all__ = [
@@ -23,6 +26,7 @@ __all__ = [
     "AllgatherCompressedReducer",
     "AllreduceCompressedReducer",
     "CompressContext",
+    "CompressedOptimizer",
     "CompressedReducer",
     "Compressor",
     "Memory",
@@ -31,6 +35,8 @@ __all__ = [
     "Payload",
     "ResidualMemory",
     "TwoStageCompressedReducer",
+    "build_reducer",
+    "ddp_hook",
     "make_compressor",
     "make_reducer",
     "parse_spec",

@@ -13,8 +13,9 @@ from lowband.optim.reducer import (
     parameter_names,
 )
 from lowband.optim.stage import GradientStage
+from lowband.optim.units import model_units
 
 __all__ = [
     "AllreduceReducer", "DDPHookState", "GradientStage", "LayerwiseOptimizer", "ReduceContext", "Reducer", "Unit",
-    "bucket_units", "ddp_comm_hook", "layer_units", "parameter_layers", "parameter_names",
+    "bucket_units", "ddp_comm_hook", "layer_units", "model_units", "parameter_layers", "parameter_names",
 ]  # fmt: skip

@@ -28,6 +28,7 @@ never reduced and do not count. :meth:`wait` after fewer passes reduces what has
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -100,6 +101,9 @@ class GradientStage:
         self.on_reduced = on_reduced
         #: reductions completed (the ``step`` a reducer is given)
         self.rounds = 0
+        #: seconds spent inside ``reducer.reduce`` calls (launching: compression, issuing ops), on the
+        #: threads running backward or :meth:`wait`
+        self.reduce_s = 0.0
         self.enabled = True
         n = len(self.units)
         self._unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
@@ -203,7 +207,9 @@ class GradientStage:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
+        t0 = time.perf_counter()
         h = self.reducer.reduce(unit, grads, ReduceContext(self._fast, self.rounds))
+        self.reduce_s += time.perf_counter() - t0
         self._handles[i] = (h, grads)
 
     def _launch_rest(self) -> None:

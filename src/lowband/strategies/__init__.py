@@ -1,16 +1,20 @@
 """Training strategies: one protocol (:class:`Strategy`), a registry, and PyTorch's own baselines.
 
 Registered here: ``ddp`` (S-SGD with torch DDP), ``powersgd`` (DDP + PowerSGD hook), ``localsgd``
-(FLSGD: torch's PostLocalSGDOptimizer + PeriodicModelAverager). Each paper's system registers itself
+(FLSGD: torch's PostLocalSGDOptimizer + PeriodicModelAverager), ``stage`` and ``compressed`` (any
+compressor through any transport on the gradient stage). Each paper's system registers itself
 from its own package the same way.
 """
 
 from lowband.decentral import strategies as _decentral  # noqa: F401  (registers atc, awc, hierarchical-atc, winput, gradient-allreduce)
 from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers "dreamddp", "plsgd-enp", "flsgd-overlap")
+from lowband.strategies import compressed as _compressed  # noqa: F401  (registers "compressed")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
 from lowband.strategies import localsgd as _localsgd  # noqa: F401  (registers "localsgd")
 from lowband.strategies import stage as _stage  # noqa: F401  (registers "stage")
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.compressed import CompressedStrategy
+from lowband.strategies.compressed_state import reshard_checkpoints
 from lowband.strategies.ddp import DDPStrategy, PowerSGDStrategy
 from lowband.strategies.localsgd import LocalSGDStrategy
 from lowband.strategies.registry import (
@@ -23,7 +27,7 @@ from lowband.strategies.registry import (
 from lowband.strategies.sharded_state import assemble_state_dicts
 
 __all__ = [
-    "DDPStrategy", "LocalSGDStrategy", "LossFn", "OptimizerFactory", "PowerSGDStrategy", "Strategy",
+    "CompressedStrategy", "DDPStrategy", "LocalSGDStrategy", "LossFn", "OptimizerFactory", "PowerSGDStrategy", "Strategy",
     "assemble_state_dicts", "describe_strategies", "make_strategy", "parse_strategy_spec",
-    "register_strategy", "strategy_names",
+    "register_strategy", "reshard_checkpoints", "strategy_names",
 ]  # fmt: skip

@@ -8,20 +8,26 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from lowband.comm.collectives import broadcast
+from lowband.compress.reducer import CompressedReducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.optim.layerwise import parameter_layers
-from lowband.optim.reducer import AllreduceReducer, Reducer, bucket_units, layer_units, parameter_names
+from lowband.optim.reducer import AllreduceReducer, Reducer
 from lowband.optim.stage import GradientStage
-from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.optim.units import check_bucket_mb, model_units
+from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.breakdown import StepClock
 from lowband.strategies.registry import register_strategy
 
 
 class StageStrategy(Strategy):
-    """A reducer on the gradient stage, then the torch optimizer on the whole model."""
+    """A reducer on the gradient stage, then the torch optimizer on the whole model.
+
+    Its :meth:`report` holds the per-step breakdown of the training thread's time (computation,
+    compression, communication not overlapped; :mod:`lowband.strategies.breakdown`)."""
 
     name = "stage"
 
@@ -36,22 +42,31 @@ class StageStrategy(Strategy):
         first_bucket_mb: float = 1.0,
     ) -> None:
         where = type(self).__name__
-        for what, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise InvalidArgumentError(f"{where}: {what} must be a number >= 0, got {v!r}")
-        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
+        self.bucket_mb, self.first_bucket_mb = check_bucket_mb(where, bucket_mb, first_bucket_mb)
         # start every replica from rank 0's parameters and buffers, as DDP does
         for t in model.state_dict().values():
             broadcast(t, 0, inplace=True, name="initial-model", group=group)
-        if self.bucket_mb == 0:
-            units = layer_units(parameter_layers(model), parameter_names(model))
-        else:
-            units = bucket_units(model, self.bucket_mb, self.first_bucket_mb or self.bucket_mb)
+        units = model_units(model, self.bucket_mb, self.first_bucket_mb)
         self.stage = GradientStage(units, reducer, group=group, where=where)
+        self.clock = StepClock(
+            self.stage, reducer.timings if isinstance(reducer, CompressedReducer) else None
+        )
         super().__init__(model, make_optimizer(model.parameters()), group)
+
+    def train_step(self, loss_fn: LossFn) -> float:
+        self.clock.start(self.steps)
+        try:
+            return super().train_step(loss_fn)
+        finally:
+            self.clock.stop()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        self.clock.backward_done()
 
     def step(self) -> None:
         self.stage.wait()
+        self.clock.wait_done()
         self.optimizer.step()
 
     def synchronize(self) -> None:
@@ -59,6 +74,9 @@ class StageStrategy(Strategy):
 
     def hparams(self) -> dict[str, Any]:
         return {"bucket_mb": self.bucket_mb}
+
+    def report(self) -> dict[str, Any]:
+        return {"breakdown": self.clock.report()}
 
     def extra_state(self) -> dict[str, Any]:
         return {"stage": self.stage.state_dict()}

@@ -1,0 +1,80 @@
+"""A compressed reducer from user-facing specs, checked whole before anything communicates: the one
+builder behind the ``compressed`` strategy, :class:`~lowband.compress.optimizer.CompressedOptimizer`
+and :func:`~lowband.compress.hooks.ddp_hook`.
+
+- ``compressor``: a spec (``"topk:ratio=0.01"``, options also separated by ``;`` when nested in another
+  spec) or a built :class:`~lowband.compress.base.Compressor`;
+- ``reducer``: a transport spec (``"ps"``, ``"twostage:..."``) or ``"auto"``: the allreduce transport
+  when the compressor's payloads sum on the wire (the casts: one ring allreduce, bandwidth-optimal),
+  else the allgather transport (it carries any payload: fixed or data-dependent sizes, empty ones);
+- ``memory``: ``"residual"`` (error feedback) or ``"none"``;
+- ``seed``: seeds random compressors (with the step and the unit's name).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowband.compress.base import Compressor, check_option_types, make_compressor, parse_spec
+from lowband.compress.reducer import TRANSPORTS, CompressedReducer
+from lowband.errors import InvalidArgumentError
+
+MEMORIES = ("residual", "none")
+
+
+def resolve_transport(reducer: str, compressor: Compressor) -> tuple[str, dict[str, Any]]:
+    """``(transport name, options)`` for the reducer spec ``reducer`` carrying ``compressor``."""
+    if reducer == "auto":
+        name = "allreduce" if compressor.summable else "allgather"
+        if name not in TRANSPORTS:
+            raise InvalidArgumentError(
+                f"reducer='auto': compressor {compressor.name!r} needs the {name!r} transport, which is not "
+                f"registered; registered transports: {', '.join(TRANSPORTS.names()) or 'none'}"
+            )
+        return name, {}
+    name, options = parse_spec(reducer, "reducer")
+    cls = TRANSPORTS.get(name, "reducer")
+    TRANSPORTS.check_options(name, options, f"transport {name!r}")
+    check_option_types(f"transport {name!r}", cls, options)
+    return name, options
+
+
+def build_reducer(
+    compressor: str | Compressor = "identity",
+    reducer: str = "auto",
+    memory: str = "residual",
+    *,
+    seed: int = 0,
+    where: str = "compressed reducer",
+) -> CompressedReducer:
+    """The :class:`CompressedReducer` the specs describe (module docstring); every name, option and
+    value is checked here, and any error is one :class:`InvalidArgumentError` prefixed by ``where``."""
+    try:
+        if not isinstance(reducer, str):
+            raise InvalidArgumentError(f"reducer must be a transport spec (str), got {reducer!r}")
+        if memory not in MEMORIES:
+            raise InvalidArgumentError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidArgumentError(f"seed must be an int, got {seed!r}")
+        comp = make_compressor(compressor)
+        name, options = resolve_transport(reducer, comp)
+        return TRANSPORTS.get(name)(comp, memory, seed=seed, **options)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{where}: {exc}") from exc
+    except TypeError as exc:  # a transport's constructor refusing its arguments
+        raise InvalidArgumentError(f"{where}: {exc}") from exc
+
+
+def describe_reducer(red: CompressedReducer) -> dict[str, Any]:
+    """The reducer's compressor (name and options), transport and memory, for reports (JSON-able)."""
+    mem = type(red.memory).__name__
+    return {
+        "compressor": red.compressor.name,
+        "compressor_options": {k: _plain(v) for k, v in red.compressor.options().items()},
+        "transport": red.transport,
+        "memory": {"ResidualMemory": "residual", "NoMemory": "none"}.get(mem, mem),
+    }
+
+
+def _plain(v: Any) -> Any:
+    return v if isinstance(v, (int, float, str, bool)) or v is None else repr(v)
