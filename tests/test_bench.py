@@ -284,7 +284,53 @@ def test_gather_reports_refuses_what_is_not_json_on_every_rank() -> None:
 
 def test_summary_carries_the_report() -> None:
     run = _run(0.1, [2, 1], tx=0)
-    run["report"] = {"breakdown": {"compute_s": 0.05}}
+    run["report"] = {"table": {"1024": 0.5}}
     raw = {"world_size": 2, "runs": {"x": run, COMPUTE: _run(0.05, [2, 1], tx=0)}}
     row = summarize(raw, warmup_rounds=0, rank_rates=None, bytes_sharing=1, baselines=[])["strategies"]["x"]
-    assert row["report"] == {"breakdown": {"compute_s": 0.05}}
+    assert row["report"] == {"table": {"1024": 0.5}}
+
+
+def test_breakdown_measured_over_timed_steps_and_ranks(tmp_path: Path) -> None:
+    """A strategy's own per-step breakdown is averaged over the timed steps (after the warm-up round)
+    and over every rank's report; one without it gets the split inferred from the compute-only run."""
+    run = _run(0.1, [4, 3, 2, 1], tx=0)  # two rounds of two steps: steps 0-1 untimed, 2-3 timed
+
+    def bd(scale: float) -> dict[str, object]:
+        return {"first_step": 0, "compute_s": [9.0, 9.0, 0.04 * scale, 0.06 * scale],
+                "compression_s": [9.0, 9.0, 0.01, 0.01], "comm_s": [9.0, 9.0, 0.02, 0.04]}  # fmt: skip
+
+    run["report_ranks"] = [{"breakdown": bd(1)}, {"breakdown": bd(2)}]
+    raw = {"world_size": 2, "runs": {"c": run, "ddp": _run(0.2, [4, 3, 2, 1], tx=0),
+                                     COMPUTE: _run(0.05, [4, 3, 2, 1], tx=0)}}  # fmt: skip
+    s = summarize(raw, warmup_rounds=1, rank_rates=None, bytes_sharing=1, baselines=[])
+    c, ddp = s["strategies"]["c"]["breakdown"], s["strategies"]["ddp"]["breakdown"]
+    assert c["source"] == "measured"
+    assert c["compute_s"] == pytest.approx((0.04 + 0.06 + 0.08 + 0.12) / 4)
+    assert c["compression_s"] == pytest.approx(0.01) and c["comm_s"] == pytest.approx(0.03)
+    assert ddp == {
+        "source": "inferred",
+        "compute_s": 0.05,
+        "compression_s": None,
+        "comm_s": pytest.approx(0.15),
+    }
+    from lowband.bench.report import markdown_table, plot_breakdown
+
+    assert "75.0 / 10.0 / 30.0 |" in markdown_table(s, "samples")
+    assert "50.0* / - / 150.0* |" in markdown_table(s, "samples")
+    plot_breakdown(s, tmp_path / "b.png", "t")
+    assert (tmp_path / "b.png").stat().st_size > 500
+
+
+def test_list_shows_the_compressed_options_and_registries() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowband.cli", "bench", "--list"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "compressed options: compressor=identity, reducer=auto, memory=residual, bucket_mb=25.0" in out
+    from lowband.compress import COMPRESSORS, TRANSPORTS
+
+    comp = out[out.index("compressors (") : out.index("transports (")]
+    trans = out[out.index("transports (") : out.index("collectives (")]
+    assert all(f"  {c} " in comp for c in COMPRESSORS.names())
+    assert all(f"  {t} " in trans for t in TRANSPORTS.names())

@@ -29,6 +29,13 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
 - predicted vs measured: strategies with a cost model report ``predicted_step_s``; the table shows it and
   measured / predicted.
 - report: the strategy's own :meth:`lowband.strategies.Strategy.report` (rank 0's), carried unchanged.
+- breakdown (seconds per step): for strategies that measure it on their training thread (those on the
+  gradient stage report ``breakdown``: :mod:`lowband.strategies.breakdown`), computation, compression on
+  the critical path and communication not overlapped, each the mean over the timed steps and over the
+  ranks (``source = "measured"``); their sum is a rank's own step time, at most the job's pace. For the
+  others (DDP and its hooks, whose communication runs inside torch's backward) only the split of the
+  iteration time into the compute-only run's time and the rest is known (``source = "inferred"``,
+  compression unknown: ``None``).
 """
 
 from __future__ import annotations
@@ -167,6 +174,7 @@ def summarize(
             "time_to_target_accuracy": time_to_accuracy(run, target_accuracy),
             "replica_spread": run["replica_spread"],
             "report": run.get("report", {}),
+            "breakdown": breakdown(run, warmup_rounds, it, compute),
         }
     for k, row in rows.items():
         row["speedup_vs"] = {}
@@ -183,6 +191,53 @@ def summarize(
         "target_accuracy": target_accuracy,
         "compute_time": compute,
         "strategies": rows,
+    }
+
+
+BREAKDOWN = ("compute_s", "compression_s", "comm_s")
+
+
+def timed_mean(breakdowns: Sequence[dict[str, Any]], steps: Sequence[int]) -> dict[str, float] | None:
+    """Each part's mean over the given step indices and over ranks (``breakdowns``: every rank's
+    ``report["breakdown"]``: ``first_step`` and one value per step from it); None when no rank
+    recorded any of those steps."""
+    sums = dict.fromkeys(BREAKDOWN, 0.0)
+    count = 0
+    for b in breakdowns:
+        k0 = int(b.get("first_step", 0))
+        for s in steps:
+            i = s - k0
+            if 0 <= i < len(b.get("compute_s", [])):
+                for k in BREAKDOWN:
+                    sums[k] += float(b[k][i])
+                count += 1
+    return {k: v / count for k, v in sums.items()} if count else None
+
+
+def breakdown(
+    run: dict[str, Any], warmup_rounds: int, it: float, compute: float | None
+) -> dict[str, Any] | None:
+    """The row's breakdown (module docstring): measured if the strategy reports one, else inferred."""
+    reports = run.get("report_ranks") or [run.get("report", {})]
+    parts = [
+        r["breakdown"]
+        for r in reports
+        if isinstance(r, dict)
+        and isinstance(r.get("breakdown"), dict)
+        and all(isinstance(r["breakdown"].get(k), list) for k in BREAKDOWN)
+    ]
+    if parts:
+        steps = [s["first_step"] + k for s in _timed(run, warmup_rounds) for k in range(len(s["step_times"]))]
+        mean = timed_mean(parts, steps)
+        if mean is not None:
+            return {"source": "measured", **mean}
+    if compute is None:
+        return None
+    return {
+        "source": "inferred",
+        "compute_s": compute,
+        "compression_s": None,
+        "comm_s": max(0.0, it - compute),
     }
 
 

@@ -38,6 +38,9 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
         head.append(f"time to acc {tacc * 100:.1f}% (s)")
     if with_pred:
         head += ["predicted ms", "measured/predicted", "profiling s", "time to loss w/o profiling (s)"]
+    with_bd = any((r.get("breakdown") or {}).get("source") == "measured" for r in rows.values())
+    if with_bd:
+        head.append("compute / compression / comm ms (* inferred)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.values():
         acc = r["eval_accuracy"]
@@ -59,8 +62,61 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
         if with_pred:
             cells += [_ms(r.get("predicted_iter_time")), _num(r.get("measured_over_predicted"), "{:.2f}")]
             cells += [_num(r.get("setup_time"), "{:.1f}"), _num(r.get("time_to_target_excl_setup"), "{:.1f}")]
+        if with_bd:
+            cells.append(_breakdown_cell(r.get("breakdown")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _breakdown_cell(b: dict[str, Any] | None) -> str:
+    if b is None:
+        return "-"
+    star = "" if b["source"] == "measured" else "*"
+    return f"{_ms(b['compute_s'])}{star} / {_ms(b['compression_s'])} / {_ms(b['comm_s'])}{star}"
+
+
+def plot_breakdown(summary: dict[str, Any], path: Path, title: str) -> None:
+    """Stacked bars per strategy: computation, compression on the critical path, communication not
+    overlapped (measured on the training thread), or, for strategies that cannot measure it, the
+    compute-only run and the rest of the iteration (hatched: inferred); a tick marks the job's
+    iteration time (the slowest rank's pace, which a rank's own breakdown may fall short of)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in summary["strategies"].values() if r.get("breakdown")]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)) + 3.5, 4.8))
+    labels = [str(r["label"]).replace("(", "\n(", 1).replace(", ", ",\n") for r in rows]
+    colors = {"compute_s": "tab:green", "compression_s": "tab:orange", "comm_s": "tab:red"}
+    names = {"compute_s": "computation", "compression_s": "compression (critical path)",
+             "comm_s": "communication not overlapped"}  # fmt: skip
+    ax.bar(labels, [0.0] * len(rows))  # fixes the strategies' order on the axis
+    bottom = [0.0] * len(rows)
+    for part in ("compute_s", "compression_s", "comm_s"):
+        for measured in (True, False):
+            xs, hs, bs = [], [], []
+            for i, r in enumerate(rows):
+                b = r["breakdown"]
+                if (b["source"] == "measured") != measured or b[part] is None:
+                    continue
+                xs.append(labels[i])
+                hs.append(b[part] * 1e3)
+                bs.append(bottom[i])
+                bottom[i] += b[part] * 1e3
+            if xs:
+                ax.bar(xs, hs, bottom=bs, color=colors[part], alpha=1.0 if measured else 0.45,
+                       hatch=None if measured else "//", edgecolor="white" if measured else "grey",
+                       label=names[part] + ("" if measured else " (inferred: compute-only run)"))  # fmt: skip
+    ax.scatter(labels, [r["iter_time_median"] * 1e3 for r in rows], color="black", marker="_", s=900,
+               zorder=3, label="iteration time (job pace, median)")  # fmt: skip
+    ax.set_ylabel("ms per step")
+    ax.tick_params(axis="x", labelsize=8)
+    ax.set_title(f"where a step's time goes\n{title}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def sweep_table(points: list[dict[str, Any]], baseline: str) -> str:
@@ -93,7 +149,8 @@ def plot_all(
     raw: dict[str, Any], summary: dict[str, Any], out: Path, title: str, smooth: int = 10
 ) -> list[Path]:
     """loss.png (training loss vs time and vs steps), accuracy.png (held-out accuracy vs time, when the
-    workload has one), iteration.png (bars), timeline.png (per rank)."""
+    workload has one), iteration.png (bars), breakdown.png (stacked bars: computation, compression,
+    communication per step), timeline.png (per rank)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -156,6 +213,10 @@ def plot_all(
     paths.append(out / "iteration.png")
     fig.savefig(paths[-1], dpi=110)
     plt.close(fig)
+
+    if any(r.get("breakdown") for r in rows.values()):
+        paths.append(out / "breakdown.png")
+        plot_breakdown(summary, paths[-1], title)
 
     n = raw["world_size"]
     fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * n))

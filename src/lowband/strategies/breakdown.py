@@ -86,19 +86,3 @@ class StepClock:
         }
         out["mean"] = {k: statistics.fmean(v) if v else None for k, v in self.steps.items()}
         return out
-
-
-def timed_mean(breakdowns: list[dict[str, Any]], steps: list[int]) -> dict[str, float] | None:
-    """The mean of each part over the given step indices and over ranks (``breakdowns``: every rank's
-    :meth:`StepClock.report`); None when no rank recorded any of those steps."""
-    sums = dict.fromkeys(PARTS, 0.0)
-    count = 0
-    for b in breakdowns:
-        k0 = int(b.get("first_step", 0))
-        for s in steps:
-            i = s - k0
-            if 0 <= i < len(b.get("compute_s", [])):
-                for k in PARTS:
-                    sums[k] += float(b[k][i])
-                count += 1
-    return {k: v / count for k, v in sums.items()} if count else None
