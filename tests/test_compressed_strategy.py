@@ -93,7 +93,9 @@ def test_bad_specs_fail_before_communicating(opts: dict[str, Any], msg: str) -> 
 
 
 def test_non_summable_format_refused_by_allreduce() -> None:
-    with pytest.raises(InvalidArgumentError, match="here: compressor 'grid' is not summable on the wire"):
+    with pytest.raises(
+        InvalidArgumentError, match="here: AllreduceCompressedReducer: compressor 'grid' is not summable"
+    ):
         build_reducer(Grid(), "allreduce", where="here")
 
 

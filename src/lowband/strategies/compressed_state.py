@@ -12,9 +12,10 @@ What moves and how:
   is lost or counted twice;
 - a compressor's state must be the same on every rank (it is then copied), else the checkpoint cannot
   be re-sharded;
-- any other per-rank state of a transport (a server's error memory over its shard of the gradient) is
-  re-sharded only by a transport class defining ``reshard_states(states, world_size)``; otherwise the
-  checkpoint is refused, naming the state.
+- any other per-rank state of a transport is re-sharded by the transport's own function
+  (:data:`RESHARD`: the two-stage transport's server memory, its per-rank parts re-cut exactly by
+  :func:`lowband.compress.reshard_server_memories`) or a transport class's
+  ``reshard_states(states, world_size)``; otherwise the checkpoint is refused, naming the state.
 
 At the same world size the checkpoints are returned unchanged (the exact resume).
 """
@@ -22,16 +23,23 @@ At the same world size the checkpoints are returned unchanged (the exact resume)
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lowband.compress.memory import reshard_memories
 from lowband.compress.reducer import TRANSPORTS
+from lowband.compress.twostage import reshard_server_memories
 from lowband.errors import InvalidArgumentError
 
 WHERE = "reshard_checkpoints"
+
+#: transports keeping per-rank state of their own, with the function that re-shards their states
+#: (a transport class may instead define ``reshard_states(states, world_size)``)
+RESHARD: dict[str, Callable[[Sequence[Mapping[str, Any]], int], list[dict[str, Any]]]] = {
+    "twostage": reshard_server_memories,  # the server's error memory: its parts re-cut exactly
+}
 
 
 def same(a: Any, b: Any) -> bool:
@@ -56,10 +64,11 @@ def reshard_reducer_states(
 ) -> list[dict[str, Any]]:
     """Every rank's compressed-reducer state (``{"memory": ..., "compressor": ..., ...}``) for
     ``world_size`` ranks (module docstring)."""
-    if transport is not None and transport in TRANSPORTS:
+    custom = RESHARD.get(transport or "")
+    if custom is None and transport is not None and transport in TRANSPORTS:
         custom = getattr(TRANSPORTS.get(transport), "reshard_states", None)
-        if custom is not None:
-            return list(custom(states, world_size))
+    if custom is not None:
+        return list(custom(states, world_size))
     if all(not s for s in states):  # a reducer without state (the plain allreduce)
         return [{} for _ in range(world_size)]
     keys = {k for s in states for k in s}
