@@ -91,6 +91,17 @@ def _flat(rows: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
     return flat.to(dtype) if flat.dtype != dtype else flat.clone()
 
 
+def _l2_norms(rows: Tensor) -> Tensor:
+    """The L2 norm of each row, without overflow or underflow of the squares: rows whose plain norm is
+    not finite or tiny are measured again scaled by their largest magnitude."""
+    norms = torch.linalg.vector_norm(rows, dim=1)
+    if rows.numel() and not bool((torch.isfinite(norms) & (norms > 1e-15)).all()):
+        big = rows.abs().amax(dim=1, keepdim=True)
+        safe = torch.where(big > 0, big, torch.ones_like(big))
+        norms = torch.linalg.vector_norm(rows / safe, dim=1) * big.view(-1)
+    return norms
+
+
 def _check_parts(c: Compressor, payload: Payload, count: int) -> None:
     if len(payload.data) != count:
         raise InvalidArgumentError(
@@ -161,7 +172,7 @@ class QSGD(Compressor):
         x = check_input(self, x, ctx)
         n, s = x.numel(), self.levels
         rows = _buckets(_work(x), self.bucket, "zero")
-        norms = torch.linalg.vector_norm(rows, dim=1).to(F32)
+        norms = _l2_norms(rows).to(F32)
         norm = norms.to(rows.dtype).unsqueeze(1)
         a = (rows.abs() / torch.where(norm > 0, norm, torch.ones_like(norm)) * s).clamp_(max=s)
         level = a.floor()
