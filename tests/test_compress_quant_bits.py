@@ -25,7 +25,11 @@ def reference_pack(codes: list[int], bits: int) -> bytes:
 def test_round_trip_and_layout(bits: int, data: st.DataObject) -> None:
     n = data.draw(st.one_of(st.sampled_from([0, 1, 7, 8, 9, 15, 16, 17, 33]), st.integers(0, 300)))
     codes = data.draw(st.lists(st.integers(0, (1 << bits) - 1), min_size=n, max_size=n))
-    dtype = data.draw(st.sampled_from([torch.uint8, torch.int16, torch.int64, torch.bool] if bits == 1 else [torch.uint8, torch.int32]))
+    dtype = data.draw(
+        st.sampled_from(
+            [torch.uint8, torch.int16, torch.int64, torch.bool] if bits == 1 else [torch.uint8, torch.int32]
+        )
+    )
     t = torch.tensor(codes, dtype=torch.int64).to(dtype)
     packed = pack_bits(t, bits)
     assert packed.dtype == torch.uint8 and packed.dim() == 1

@@ -19,7 +19,9 @@ CTX = CompressContext("layer.weight", step=0)
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 33]
 
 
-def mxnet_step(kind: str, grad: np.ndarray, residual: np.ndarray, threshold: float) -> tuple[bytes, np.ndarray]:
+def mxnet_step(
+    kind: str, grad: np.ndarray, residual: np.ndarray, threshold: float
+) -> tuple[bytes, np.ndarray]:
     """One MXNet quantize call, element by element in float32: returns the bytes of MXNet's compressed
     float32 array (``ceil(n/32)`` or ``ceil(n/16)`` floats) and the new residual."""
     f32 = np.float32
@@ -99,7 +101,9 @@ def test_codes_layout_residuals_equal_mxnet(kind: str, data: st.DataObject) -> N
     thresholds = [-0.5, 0.0, 0.25, 0.5] if kind == "1bit" else [0.25, 0.5, 1.0]
     threshold = data.draw(st.sampled_from(thresholds))
     steps = data.draw(st.integers(1, 4))
-    grads = [np.array(data.draw(st.lists(_values, min_size=n, max_size=n)), dtype=np.float32) for _ in range(steps)]
+    grads = [
+        np.array(data.draw(st.lists(_values, min_size=n, max_size=n)), dtype=np.float32) for _ in range(steps)
+    ]
     run_sequence(kind, threshold, grads)
 
 
@@ -115,7 +119,10 @@ def test_sizes_and_zeros(kind: str, n: int) -> None:
 
 def test_ties_exactly_at_the_threshold() -> None:
     t = 0.5
-    up, down = float(np.nextafter(np.float32(t), np.float32(1))), float(np.nextafter(np.float32(-t), np.float32(-1)))
+    up, down = (
+        float(np.nextafter(np.float32(t), np.float32(1))),
+        float(np.nextafter(np.float32(-t), np.float32(-1))),
+    )
     below = float(np.nextafter(np.float32(t), np.float32(0)))
     g = torch.tensor([t, -t, 0.0, -0.0, up, down, below])
     two = TwoBit(threshold=t)

@@ -94,7 +94,7 @@ def _flat(rows: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
 def _l2_norms(rows: Tensor) -> Tensor:
     """The L2 norm of each row, without overflow or underflow of the squares: rows whose plain norm is
     not finite or tiny are measured again scaled by their largest magnitude."""
-    norms = torch.linalg.vector_norm(rows, dim=1)
+    norms: Tensor = torch.linalg.vector_norm(rows, dim=1)
     if rows.numel() and not bool((torch.isfinite(norms) & (norms > 1e-15)).all()):
         big = rows.abs().amax(dim=1, keepdim=True)
         safe = torch.where(big > 0, big, torch.ones_like(big))
@@ -133,7 +133,9 @@ class Sign(Compressor):
         return packed_size(numel, 1)
 
 
-@register_compressor("scaledsign", "EF-signSGD: ||x||_1/d times the sign (one float32 scale + 1 bit per value)")
+@register_compressor(
+    "scaledsign", "EF-signSGD: ||x||_1/d times the sign (one float32 scale + 1 bit per value)"
+)
 class ScaledSign(Compressor):
     """``||x||_1 / d * sign(x)``: a float32 scale, then the signs packed 8 to a byte."""
 
@@ -155,7 +157,9 @@ class ScaledSign(Compressor):
         return 4 + packed_size(numel, 1)
 
 
-@register_compressor("qsgd", "QSGD: s levels per bucket L2 norm, stochastic rounding (options levels, bucket)")
+@register_compressor(
+    "qsgd", "QSGD: s levels per bucket L2 norm, stochastic rounding (options levels, bucket)"
+)
 class QSGD(Compressor):
     """QSGD with ``levels`` (``s``, 1..127) levels and an L2 norm per ``bucket`` values (``bucket=0``:
     one norm for the tensor); see the module docstring for the wire format."""
@@ -206,7 +210,12 @@ class TernGrad(Compressor):
     def __init__(self, *, bucket: int = 0, clip: float = 0.0) -> None:
         where = "lowband compressor 'terngrad'"
         self.bucket = _int_option(where, "bucket", bucket, 0)
-        ok = not isinstance(clip, bool) and isinstance(clip, (int, float)) and math.isfinite(clip) and clip >= 0
+        ok = (
+            not isinstance(clip, bool)
+            and isinstance(clip, (int, float))
+            and math.isfinite(clip)
+            and clip >= 0
+        )
         if not ok:
             raise InvalidArgumentError(f"{where}: clip must be a finite number >= 0, got {clip!r}")
         self.clip = float(clip)
@@ -216,16 +225,22 @@ class TernGrad(Compressor):
         n = x.numel()
         rows = _buckets(_work(x), self.bucket, "zero")
         if self.clip > 0 and n:
-            counts = torch.full((rows.shape[0], 1), float(rows.shape[1]), dtype=rows.dtype, device=rows.device)
+            counts = torch.full(
+                (rows.shape[0], 1), float(rows.shape[1]), dtype=rows.dtype, device=rows.device
+            )
             if self.bucket and n % self.bucket:
                 counts[-1] = n % self.bucket  # the padded last bucket
-            mean = rows.sum(dim=1, keepdim=True) / counts
-            var = (rows.square().sum(dim=1, keepdim=True) / counts - mean.square()).clamp_(min=0)
-            bound = self.clip * var.sqrt()
+            big = rows.abs().amax(dim=1, keepdim=True)  # standardised by it: no overflow or underflow
+            z = rows / torch.where(big > 0, big, torch.ones_like(big))
+            mean = z.sum(dim=1, keepdim=True) / counts
+            var = (z.square().sum(dim=1, keepdim=True) / counts - mean.square()).clamp_(min=0)
+            bound = self.clip * var.sqrt() * big
             rows = torch.maximum(torch.minimum(rows, bound), -bound)  # padding stays 0
         scales = rows.abs().amax(dim=1).to(F32) if rows.numel() else torch.zeros(rows.shape[0], dtype=F32)
         m = scales.to(rows.dtype).unsqueeze(1)
-        keep = _uniform(rows, ctx) < rows.abs() / torch.where(m > 0, m, torch.ones_like(m))  # Bernoulli(|x|/m)
+        keep = _uniform(rows, ctx) < rows.abs() / torch.where(
+            m > 0, m, torch.ones_like(m)
+        )  # Bernoulli(|x|/m)
         codes = (rows.sign() * keep).add_(1).to(torch.uint8)  # t + 1 for t in -1, 0, 1
         return Payload((scales, pack_bits(codes.view(-1)[:n], 2)), n, x.dtype)
 
