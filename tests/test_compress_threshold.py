@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowband.compress import CompressContext, ResidualMemory, make_compressor
+from lowband.compress import CompressContext, Payload, ResidualMemory, make_compressor
 from lowband.compress.threshold import OneBit, TwoBit
 from lowband.errors import InvalidArgumentError
 
@@ -79,7 +79,7 @@ def run_sequence(kind: str, threshold: float, grads: list[np.ndarray], scale: fl
         assert torch.equal(x, torch.from_numpy(g))  # the input is never modified
         mx_bytes, mx_residual = mxnet_step(kind, g * np.float32(scale), mx_residual, threshold)
         nbytes = -(-n // (8 if kind == "1bit" else 4))
-        assert payload.nbytes == nbytes and len(payload.data) == 1
+        assert payload.nbytes == nbytes == comp.wire_bytes(n) and len(payload.data) == 1  # type: ignore[attr-defined]
         got = bytes(payload.data[0].tolist())
         assert got == mx_bytes[:nbytes], (step, got.hex(), mx_bytes.hex())
         assert not any(mx_bytes[nbytes:])  # MXNet's float32 container pads with zero bytes only
@@ -159,6 +159,16 @@ def test_mxnet_residual_walkthrough() -> None:
         sent.append(float(d[0]))
     assert sent == [1.0, 1.0, -1.0]  # residual 1 after the first push, 0 after the second, -1 after the third
     assert mem.tensors["w"].tolist() == [-1.0, -1.0, -1.0]
+
+
+def test_twobit_decodes_every_code_as_mxnet() -> None:
+    """01 is never written but decodes to 0, as in dequantize_2bit (neither mask matches); zeros are +0."""
+    two = TwoBit(threshold=0.5)
+    payload = Payload((torch.tensor([0b01_11_10_00], dtype=torch.uint8),), 4, torch.float32)
+    d = two.decompress(payload, CTX)
+    assert d.tolist() == [0.0, 0.5, -0.5, 0.0]
+    assert torch.equal(d, torch.from_numpy(mxnet_dequantize("2bit", bytes([0b01111000, 0, 0, 0]), 4, 0.5)))
+    assert not bool(torch.signbit(d[d == 0]).any())
 
 
 @pytest.mark.parametrize("kind", ["1bit", "2bit"])

@@ -137,8 +137,6 @@ class TwoBit(_Threshold):
         return self._payload(codes, x)
 
     def decompress(self, payload: Payload, ctx: CompressContext) -> Tensor:
-        codes = self._codes(payload)
-        t = torch.tensor(self.threshold, dtype=payload.dtype, device=codes.device)
-        zero = torch.zeros((), dtype=payload.dtype, device=codes.device)
-        out = torch.where(codes == self.POS, t, torch.where(codes == self.NEG, -t, zero))
-        return self._unscale(out)
+        c = self._codes(payload).to(torch.int8)
+        level = (c >> 1) * ((c & 1) * 2 - 1)  # 11 -> +1, 10 -> -1, 00 and 01 -> 0 (MXNet's dequantize_2bit)
+        return self._unscale(level.to(payload.dtype).mul_(self.threshold))
