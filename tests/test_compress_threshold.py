@@ -62,12 +62,15 @@ def mxnet_dequantize(kind: str, compressed: bytes, n: int, threshold: float) -> 
     return out
 
 
-def run_sequence(kind: str, threshold: float, grads: list[np.ndarray], scale: float = 1.0) -> None:
-    """lowband (compensate + compress + decompress + update) against MXNet's kernel, step by step."""
+def run_sequence(
+    kind: str, threshold: float, grads: list[np.ndarray], scale: float = 1.0, split: int | None = None
+) -> None:
+    """lowband (compensate + compress + decompress + update) against MXNet's kernel, step by step; with
+    ``split`` the unit holds two parameters ("w" and "b"), whose memories are kept by name."""
     n = grads[0].size
     comp = make_compressor("onebit" if kind == "1bit" else "twobit", threshold=threshold, scale=scale)
     mem = ResidualMemory()
-    segs = (("w", n),)
+    segs: tuple[tuple[str, int], ...] = (("w", n),) if split is None else (("w", split), ("b", n - split))
     mx_residual = np.zeros(n, dtype=np.float32)
     for step, g in enumerate(grads):
         ctx = CompressContext("w", step)
@@ -85,7 +88,8 @@ def run_sequence(kind: str, threshold: float, grads: list[np.ndarray], scale: fl
         assert not any(mx_bytes[nbytes:])  # MXNet's float32 container pads with zero bytes only
         mx_decoded = mxnet_dequantize(kind, mx_bytes, n, threshold)
         assert torch.equal(decoded * scale, torch.from_numpy(mx_decoded)), step
-        assert torch.equal(mem.tensors["w"] * scale, torch.from_numpy(mx_residual)), step
+        memory = torch.cat([mem.tensors[name] for name, _ in segs])
+        assert torch.equal(memory * scale, torch.from_numpy(mx_residual)), step
 
 
 _values = st.one_of(
@@ -115,6 +119,7 @@ def test_sizes_and_zeros(kind: str, n: int) -> None:
         (torch.rand(n, generator=gen) * 1.2 - 0.6).numpy() for _ in range(5)
     ]
     run_sequence(kind, 0.5, grads)
+    run_sequence(kind, 0.5, grads, split=n // 3)  # two parameters in the unit, memories by name
 
 
 def test_ties_exactly_at_the_threshold() -> None:

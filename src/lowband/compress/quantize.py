@@ -144,7 +144,7 @@ class ScaledSign(Compressor):
     def compress(self, x: Tensor, ctx: CompressContext) -> Payload:
         x = check_input(self, x, ctx)
         w = _work(x)
-        scale = (w.abs().sum() / x.numel()).to(F32).reshape(1) if x.numel() else torch.zeros(1, dtype=F32)
+        scale = (w.abs().sum() / x.numel()).to(F32).reshape(1) if x.numel() else x.new_zeros(1, dtype=F32)
         return Payload((scale, pack_bits(x >= 0, 1)), x.numel(), x.dtype)
 
     def decompress(self, payload: Payload, ctx: CompressContext) -> Tensor:
@@ -236,7 +236,7 @@ class TernGrad(Compressor):
             var = (z.square().sum(dim=1, keepdim=True) / counts - mean.square()).clamp_(min=0)
             bound = self.clip * var.sqrt() * big
             rows = torch.maximum(torch.minimum(rows, bound), -bound)  # padding stays 0
-        scales = rows.abs().amax(dim=1).to(F32) if rows.numel() else torch.zeros(rows.shape[0], dtype=F32)
+        scales = rows.abs().amax(dim=1).to(F32) if rows.numel() else rows.new_zeros(rows.shape[0], dtype=F32)
         m = scales.to(rows.dtype).unsqueeze(1)
         keep = _uniform(rows, ctx) < rows.abs() / torch.where(
             m > 0, m, torch.ones_like(m)
@@ -279,8 +279,8 @@ class MinMax8(Compressor):
         n = x.numel()
         w = _work(x)
         if not n:
-            empty = torch.zeros(0, dtype=F32)
-            return Payload((empty, empty.clone(), torch.zeros(0, dtype=torch.uint8)), 0, x.dtype)
+            empty = x.new_zeros(0, dtype=F32)
+            return Payload((empty, empty.clone(), x.new_zeros(0, dtype=torch.uint8)), 0, x.dtype)
         rows = _buckets(w, self.bucket, "last")
         lo32 = rows.amin(dim=1).to(F32)
         lo = lo32.to(w.dtype).unsqueeze(1)
