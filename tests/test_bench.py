@@ -153,6 +153,24 @@ def test_runner_loopback(tmp_path: Path) -> None:
     _check(res, Path(cfg.out_dir))
 
 
+def test_runner_compressed_breakdown(tmp_path: Path) -> None:
+    """``compressed`` runs in the bench beside DDP; its breakdown is measured (every rank's report),
+    DDP's inferred from the compute-only run; breakdown.png is drawn."""
+    spec = "compressed:compressor=fp16,reducer=allreduce"
+    cfg = dataclasses.replace(_tiny(tmp_path, "loopback"), strategies=["ddp", spec])
+    res = run_bench(cfg, timeout=240, quiet=True)
+    out = Path(cfg.out_dir)
+    rows = json.loads((out / "results.json").read_text())["summary"]["strategies"]
+    comp, ddp = rows[spec]["breakdown"], rows["ddp"]["breakdown"]
+    assert comp["source"] == "measured" and ddp["source"] == "inferred" and ddp["compression_s"] is None
+    assert comp["compression_s"] > 0 and comp["compute_s"] > 0 and comp["comm_s"] >= 0
+    # a rank's own step time, averaged over ranks, cannot exceed the job's pace by more than noise
+    assert sum(comp[k] for k in ("compute_s", "compression_s", "comm_s")) <= 1.5 * rows[spec]["iter_time_max"]
+    assert rows[spec]["report"]["transport"] == "allreduce" and rows[spec]["bytes_sent_per_rank_step"] > 0
+    assert (out / "breakdown.png").stat().st_size > 500
+    assert "compute / compression / comm ms" in str(res["markdown"])
+
+
 @pytest.mark.skipif(not have_root(), reason="emulated links need root (network namespaces + tc)")
 def test_runner_shaped_cli(tmp_path: Path) -> None:
     """``lowband bench`` itself, on network namespaces with tbf at 200 Mbit/s."""

@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import lowband
 from lowband.compress import TRANSPORTS, build_reducer, ddp_hook
+from lowband.compress.reshard import same
 from lowband.errors import InvalidArgumentError
-from lowband.strategies.compressed_state import same
 from lowband.testing import run_threads
 from tests.compress_fixtures import GatherTransport, flat, loss, model, sgd
 

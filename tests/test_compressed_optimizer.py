@@ -12,8 +12,8 @@ import torch
 
 import lowband
 from lowband.compress import CompressedOptimizer
+from lowband.compress.reshard import same
 from lowband.errors import InvalidArgumentError
-from lowband.strategies.compressed_state import same
 from lowband.testing import run_threads
 from tests.compress_fixtures import GatherTransport, Grid, RandomHalf, adam, flat, loss, model, oracle, sgd
 
@@ -168,8 +168,49 @@ def test_bad_arguments() -> None:
         "the optimizer steps parameters that are not the model's",
         "optimizer must be a torch.optim.Optimizer or a factory of one, got str",
         "zero_grad() while gradients are being reduced",
-        "the state was saved at 5 ranks, this group has 1",
+        "the state was saved at 5 ranks, this group has 1; re-shard every rank's state first",
     ]
     assert len(errs) == len(want)
     for got, w in zip(errs, want):
         assert got.startswith("lowband.CompressedOptimizer on rank 0: ") and w in got, got
+
+
+def _save_grid() -> dict[str, Any]:
+    r = lowband.rank()
+    m = model()
+    opt = _opt(m, "adam", "grid")
+    for k in range(2):
+        opt.zero_grad()
+        loss(m, r, k).backward()
+        opt.step()
+    out = copy.deepcopy({"model": m.state_dict(), "opt": opt.state_dict()})
+    opt.remove_hooks()
+    return out
+
+
+def _load_grid(states: list[dict[str, Any]], saved_model: dict[str, Any]) -> torch.Tensor:
+    r = lowband.rank()
+    m = model()
+    m.load_state_dict(saved_model)
+    opt = _opt(m, "adam", "grid")
+    opt.load_state_dict(copy.deepcopy(states[r]))
+    for k in range(2, 4):
+        opt.zero_grad()
+        loss(m, r, k).backward()
+        opt.step()
+    opt.remove_hooks()
+    return flat(m)
+
+
+def test_reshard_state_dicts_to_another_world_size() -> None:
+    saved = run_threads(_save_grid, 2, timeout=60)
+    states = CompressedOptimizer.reshard_state_dicts([s["opt"] for s in saved], 3)
+    assert [s["world_size"] for s in states] == [3, 3, 3] and all(s["steps"] == 2 for s in states)
+    for name, e in saved[0]["opt"]["stage"]["reducer"]["memory"]["tensors"].items():
+        total = e + saved[1]["opt"]["stage"]["reducer"]["memory"]["tensors"][name]
+        new = sum(s["stage"]["reducer"]["memory"]["tensors"][name] for s in states)
+        assert torch.allclose(total, new, atol=1e-6), name  # the memories keep their sum
+    res = run_threads(_load_grid, 3, states, saved[0]["model"], timeout=60)
+    assert all(torch.equal(p, res[0]) for p in res)
+    with pytest.raises(InvalidArgumentError, match="1 states of another world size"):
+        CompressedOptimizer.reshard_state_dicts([saved[0]["opt"]], 3)

@@ -14,9 +14,9 @@ import torch
 
 import lowband
 from lowband.compress import COMPRESSORS, TRANSPORTS, build_reducer
+from lowband.compress.reshard import same
 from lowband.errors import InvalidArgumentError
 from lowband.strategies import CompressedStrategy, make_strategy, reshard_checkpoints
-from lowband.strategies.compressed_state import same
 from lowband.testing import run_threads
 from tests.compress_fixtures import GatherTransport, Grid, RandomHalf, flat, loss, model, sgd
 

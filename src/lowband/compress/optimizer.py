@@ -18,7 +18,8 @@ state), so a loaded checkpoint resumes exactly. The options are those of
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import copy
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch import nn
 from lowband.comm.collectives import broadcast
 from lowband.compress.base import Compressor
 from lowband.compress.reducer import CompressedReducer, Timings
+from lowband.compress.reshard import reshard_reducer_states
 from lowband.compress.specs import build_reducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -153,6 +155,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "inner": self.inner.state_dict(),
             "steps": self.steps,
             "world_size": self.group.size,
+            "transport": self.reducer.transport,
             "stage": self.stage.state_dict(),
         }
 
@@ -166,12 +169,38 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if n != self.group.size:
             raise InvalidArgumentError(
                 f"{self.where}: the state was saved at {n} ranks, this group has {self.group.size}; "
-                "re-shard the memories first (lowband.compress.reshard_memories)"
+                "re-shard every rank's state first (CompressedOptimizer.reshard_state_dicts)"
             )
         self.stage.wait()
         self.inner.load_state_dict(dict(state_dict["inner"]))
         self.stage.load_state_dict(dict(state_dict["stage"]))
         self.steps = int(state_dict["steps"])
+
+    @staticmethod
+    def reshard_state_dicts(states: Sequence[Mapping[str, Any]], world_size: int) -> list[dict[str, Any]]:
+        """Every rank's :meth:`state_dict` (in rank order) as states for ``world_size`` ranks: the
+        wrapped optimizer's state and the counters are rank 0's (replicated), the reducer's state is
+        re-sharded (:func:`lowband.compress.reshard.reshard_reducer_states`: memories keep their sum
+        over ranks). Pure; at the same world size the states are returned unchanged."""
+        where = "CompressedOptimizer.reshard_state_dicts"
+        if not states or not all(isinstance(s, Mapping) and "stage" in s for s in states):
+            raise InvalidArgumentError(f"{where}: expects every rank's state_dict, in rank order")
+        if any(s.get("world_size", len(states)) != len(states) for s in states):
+            raise InvalidArgumentError(f"{where}: {len(states)} states of another world size given")
+        if any(s["stage"].get("rounds") != states[0]["stage"].get("rounds") for s in states):
+            raise InvalidArgumentError(f"{where}: the states are of different reduction rounds")
+        if world_size == len(states):
+            return [copy.deepcopy(dict(s)) for s in states]
+        reducers = reshard_reducer_states(
+            [s["stage"]["reducer"] for s in states], world_size, states[0].get("transport"), where=where
+        )
+        out = []
+        for red in reducers:
+            st = copy.deepcopy(dict(states[0]))
+            st["stage"] = {"rounds": states[0]["stage"]["rounds"], "reducer": red}
+            st["world_size"] = world_size
+            out.append(st)
+        return out
 
     def remove_hooks(self) -> None:
         """Detach from the model (completing what is in flight first)."""
