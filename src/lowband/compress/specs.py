@@ -7,7 +7,8 @@ and :func:`~lowband.compress.hooks.ddp_hook`.
 - ``reducer``: a transport spec (``"ps"``, ``"twostage:..."``) or ``"auto"``: the allreduce transport
   when the compressor's payloads sum on the wire (the casts: one ring allreduce, bandwidth-optimal),
   else the allgather transport (it carries any payload: fixed or data-dependent sizes, empty ones);
-- ``memory``: ``"residual"`` (error feedback) or ``"none"``;
+- ``memory``: a memory spec, ``"residual"`` (error feedback, the default) or ``"none"`` (and those a
+  compressor brings, e.g. DGC's), checked by the transport's constructor;
 - ``seed``: seeds random compressors (with the step and the unit's name).
 """
 
@@ -16,10 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from lowband.compress.base import Compressor, check_option_types, make_compressor, parse_spec
+from lowband.compress.memory import NoMemory
 from lowband.compress.reducer import TRANSPORTS, CompressedReducer
 from lowband.errors import InvalidArgumentError
-
-MEMORIES = ("residual", "none")
 
 
 def resolve_transport(reducer: str, compressor: Compressor) -> tuple[str, dict[str, Any]]:
@@ -52,8 +52,8 @@ def build_reducer(
     try:
         if not isinstance(reducer, str):
             raise InvalidArgumentError(f"reducer must be a transport spec (str), got {reducer!r}")
-        if memory not in MEMORIES:
-            raise InvalidArgumentError(f"memory must be one of {', '.join(MEMORIES)}, got {memory!r}")
+        if not isinstance(memory, str):
+            raise InvalidArgumentError(f"memory must be a memory spec (str), got {memory!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidArgumentError(f"seed must be an int, got {seed!r}")
         comp = make_compressor(compressor)
@@ -67,12 +67,12 @@ def build_reducer(
 
 def describe_reducer(red: CompressedReducer) -> dict[str, Any]:
     """The reducer's compressor (name and options), transport and memory, for reports (JSON-able)."""
-    mem = type(red.memory).__name__
+    mem = getattr(red.memory, "kind", None) or ("none" if isinstance(red.memory, NoMemory) else None)
     return {
         "compressor": red.compressor.name,
         "compressor_options": {k: _plain(v) for k, v in red.compressor.options().items()},
         "transport": red.transport,
-        "memory": {"ResidualMemory": "residual", "NoMemory": "none"}.get(mem, mem),
+        "memory": str(mem or type(red.memory).__name__),
     }
 
 
