@@ -352,3 +352,13 @@ def test_list_shows_the_compressed_options_and_registries() -> None:
     trans = out[out.index("transports (") : out.index("collectives (")]
     assert all(f"  {c} " in comp for c in COMPRESSORS.names())
     assert all(f"  {t} " in trans for t in TRANSPORTS.names())
+
+
+def test_tick_labels_wrap_nested_specs() -> None:
+    from lowband.bench.report import tick_label
+
+    got = tick_label("compressed(compressor=onebit:threshold=0.5;scale=1.0, reducer=ps, bucket_mb=0.0)")
+    assert got.split("\n") == [
+        "compressed", "(compressor=onebit:", "threshold=0.5;", "scale=1.0,", "reducer=ps,", "bucket_mb=0.0)",
+    ]  # fmt: skip
+    assert tick_label("ddp") == "ddp" and tick_label("ddp(bucket_cap_mb=25.0)") == "ddp\n(bucket_cap_mb=25.0)"

@@ -8,6 +8,26 @@ from typing import Any
 from lowband.bench.metrics import COMPUTE, loss_curve, smoothed
 
 
+def tick_label(label: str, width: int = 22) -> str:
+    """A strategy's label for a bar's tick: the name on one line, its options below, one per line,
+    long options (nested specs) cut after their ``:`` and ``;``."""
+    name, paren, rest = label.partition("(")
+    lines = [name]
+    opts = rest.rstrip(")").split(", ") if paren else []
+    for i, opt in enumerate(opts):
+        line = ""
+        for part in opt.replace(";", ";\x00").replace(":", ":\x00").split("\x00"):
+            if line and len(line) + len(part) > width:
+                lines.append(line)
+                line = ""
+            line += part
+        lines.append(line + ("," if i < len(opts) - 1 else ""))
+    if paren:
+        lines[1] = "(" + lines[1]
+        lines[-1] += ")"
+    return "\n".join(lines)
+
+
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
 
@@ -86,8 +106,8 @@ def plot_breakdown(summary: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in summary["strategies"].values() if r.get("breakdown")]
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)) + 3.5, 4.8))
-    labels = [str(r["label"]).replace("(", "\n(", 1).replace(", ", ",\n") for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 1.9 * len(rows)) + 3.5, 4.8))
+    labels = [tick_label(str(r["label"])) for r in rows]
     colors = {"compute_s": "tab:green", "compression_s": "tab:orange", "comm_s": "tab:red"}
     names = {"compute_s": "computation", "compression_s": "compression (critical path)",
              "comm_s": "communication not overlapped"}  # fmt: skip
@@ -196,7 +216,7 @@ def plot_all(
     rows = summary["strategies"]
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows)), 4.5))
     # the name on one line, its options below (long labels would run into each other)
-    labels = [str(r["label"]).replace("(", "\n(", 1).replace(", ", ",\n") for r in rows.values()]
+    labels = [tick_label(str(r["label"])) for r in rows.values()]
     med = [r["iter_time_median"] * 1e3 for r in rows.values()]
     lo = [m - r["iter_time_min"] * 1e3 for m, r in zip(med, rows.values())]
     hi = [r["iter_time_max"] * 1e3 - m for m, r in zip(med, rows.values())]
