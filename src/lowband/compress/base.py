@@ -74,8 +74,10 @@ class Compressor(abc.ABC):
 
     Class attributes tell transports what they may do with its payloads:
 
-    - ``summable``: payloads of different ranks may be summed tensor by tensor on the wire and
-      ``decompress(sum of payloads) == sum of decompress(payload)`` (casts): an allreduce transports them;
+    - ``summable``: payloads of different ranks for the same unit and step (contexts differing only in
+      ``rank``) may be summed tensor by tensor on the wire and
+      ``decompress(sum of payloads) == sum of decompress(payload)`` (casts; random-k, whose coordinates
+      come from the shared stream): an allreduce transports them;
     - ``fixed_size``: the payload's tensor sizes depend on ``numel`` alone (so every rank's sizes are
       known without an exchange); data-dependent sizes (a threshold selection) need an allgather-v.
     """
