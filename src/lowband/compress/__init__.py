@@ -18,6 +18,7 @@ from lowband.compress.base import (
 from lowband.compress.hooks import ddp_hook
 from lowband.compress.memory import Memory, NoMemory, ResidualMemory, reshard_memories
 from lowband.compress.optimizer import CompressedOptimizer
+from lowband.compress.powersgd import PowerSGDReducer
 from lowband.compress.ps import PSCompressedReducer
 from lowband.compress.reducer import TRANSPORTS, AllreduceCompressedReducer, CompressedReducer, make_reducer
 from lowband.compress.specs import build_reducer
@@ -36,6 +37,7 @@ __all__ = [
     "NoMemory",
     "PSCompressedReducer",
     "Payload",
+    "PowerSGDReducer",
     "ResidualMemory",
     "TwoStageCompressedReducer",
     "build_reducer",
