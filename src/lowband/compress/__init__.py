@@ -15,6 +15,7 @@ from lowband.compress.base import (
     parse_spec,
     register_compressor,
 )
+from lowband.compress.dgc import DGCMemory
 from lowband.compress.hooks import ddp_hook
 from lowband.compress.memory import Memory, NoMemory, ResidualMemory, reshard_memories
 from lowband.compress.optimizer import CompressedOptimizer
@@ -33,6 +34,7 @@ __all__ = [
     "CompressedOptimizer",
     "CompressedReducer",
     "Compressor",
+    "DGCMemory",
     "Memory",
     "NoMemory",
     "PSCompressedReducer",

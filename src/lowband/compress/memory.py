@@ -150,7 +150,8 @@ class ResidualMemory(Memory):
 
 def reshard_memories(states: Sequence[Mapping[str, Any]], world_size: int) -> list[dict[str, Any]]:
     """The memory states of N ranks as states for ``world_size`` ranks, preserving, per parameter, the
-    sum over ranks: every new rank holds ``sum / world_size``. Pure (no communication)."""
+    sum over ranks: every new rank holds ``sum / world_size`` (of every entry mapping names to
+    tensors). Pure (no communication)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise InvalidArgumentError(f"reshard_memories: world_size must be an int >= 1, got {world_size!r}")
     if not states:
@@ -160,9 +161,15 @@ def reshard_memories(states: Sequence[Mapping[str, Any]], world_size: int) -> li
         raise InvalidArgumentError(
             f"reshard_memories: the states are of different kinds {sorted(map(str, kinds))}"
         )
-    sums: dict[str, Tensor] = {}
+    # every entry mapping names to tensors ("tensors"; a DGC memory's "momenta" too) is summed
+    fields = {k for s in states for k, v in s.items() if isinstance(v, Mapping)} | {"tensors"}
+    sums: dict[str, dict[str, Tensor]] = {f: {} for f in fields}
     for s in states:
-        for k, v in s.get("tensors", {}).items():
-            sums[k] = sums[k] + v if k in sums else v.clone()
-    base = {k: v for k, v in states[0].items() if k != "tensors"}
-    return [dict(base, tensors={k: v / world_size for k, v in sums.items()}) for _ in range(world_size)]
+        for f in fields:
+            for k, v in s.get(f, {}).items():
+                sums[f][k] = sums[f][k] + v if k in sums[f] else v.clone()
+    base = {k: v for k, v in states[0].items() if k not in fields}
+    return [
+        dict(base, **{f: {k: v / world_size for k, v in sums[f].items()} for f in fields})
+        for _ in range(world_size)
+    ]

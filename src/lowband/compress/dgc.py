@@ -1,0 +1,319 @@
+"""Deep Gradient Compression (Lin, Han, Mao, Wang and Dally, "Deep Gradient Compression: Reducing the
+Communication Bandwidth for Distributed Training"): a sampled-threshold sparsifier (:class:`DGC`,
+``"dgc"``) and its momentum-correction memory (:class:`DGCMemory`), after the authors' code.
+
+Momentum correction. The memory, not the optimizer, holds the momentum: for each parameter it keeps a
+momentum ``u`` and an accumulated velocity ``v``; given a gradient ``g`` (optionally clipped: the
+unit's L2 norm scaled down to ``clip_norm``, as the paper's local gradient clipping, whose threshold
+the paper scales by ``N**-0.5`` for N ranks), it sets ``u = m * u + g``, ``v = v + u`` (Nesterov:
+``u = m * (u + g)``, ``v = v + u + g``) and hands ``v`` to the compressor. What is sent is cleared from
+``v``, and, with momentum factor masking (on by default), from ``u``. A coordinate counts as sent where
+its local decode is non-zero (a sent exact zero leaves ``u`` as it is: it changes nothing in ``v``).
+The wrapped torch optimizer must therefore run **without** momentum (plain SGD on the averaged sparse
+update); :func:`check_optimizer` refuses one with momentum.
+
+Sampled threshold (per unit, on ``|v|``). With density ``rho`` a unit of ``d`` elements sends
+``k = ceil(rho * d)``. A sample of ``|v|`` (``sample_ratio``, at least 1%, and at least ``2 / rho``
+elements; strided from a random start, or uniform with replacement) gives the threshold: the smallest
+of its top ``ceil(rho * samples)``. Every ``|v| >= threshold`` is selected; if more than
+``upper * k`` are, the exact top-k of the selection is taken (``resample``), or the threshold raised by
+``upper`` and tried again; if fewer than ``lower * k``, it is lowered by ``lower`` and tried again (at
+most ``max_adapt`` times); a selection still above ``k`` keeps its ``k`` lowest indices. Units of at
+most ``2 / rho`` elements are not sampled (the threshold is the exact k-th largest). The sample draws
+from the rank's own stream (``shared=False``). The payload (indices, values) has a data-dependent
+size: ``fixed_size`` is False (an allgather-v transport carries it).
+
+Warm-up. For the first ``warmup_epochs`` epochs (of ``epoch_steps`` steps) the density is
+``max(coeff ** (e + 1), ratio)`` in epoch ``e``, ``coeff`` defaulting to ``ratio ** (1 / (warmup_epochs
++ 1))`` (the authors' code: 0.251, 0.063, 0.0158, 0.0040, then 0.001 for ratio 0.001 over 4 epochs);
+``warmup_coeff=0.25`` gives the paper's 0.25, 0.0625, 0.015625, 0.0039.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lowband.compress.base import CompressContext, Compressor, Payload, check_input, register_compressor
+from lowband.compress.memory import Memory, Segments, check_segments
+from lowband.compress.sparse import count_from_ratio, index_dtype, scatter, topk_indices
+from lowband.errors import InvalidArgumentError
+
+Tensor = torch.Tensor
+
+
+def _number(where: str, what: str, v: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    ok = (
+        not isinstance(v, bool)
+        and isinstance(v, (int, float))
+        and (lo < v if lo_open else lo <= v)
+        and v <= hi
+    )
+    if not ok:
+        bound = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
+        raise InvalidArgumentError(f"{where}: {what} must be a number in {bound}, got {v!r}")
+    return float(v)  # type: ignore[arg-type]
+
+
+def _int(where: str, what: str, v: object, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise InvalidArgumentError(f"{where}: {what} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+def _bool(where: str, what: str, v: object) -> bool:
+    if not isinstance(v, bool):
+        raise InvalidArgumentError(f"{where}: {what} must be a bool, got {v!r}")
+    return v
+
+
+def sample_plan(d: int, density: float, sample_ratio: float) -> tuple[int, int]:
+    """``(stride, samples)`` for a unit of ``d`` elements at ``density`` (the authors' code): at least
+    ``sample_ratio * d`` and ``2 / density`` samples, at a stride of the form ``32 j + 1`` (reduced by 8
+    until there are enough); every element (stride 1) when ``d <= 2 / density`` or ``sample_ratio`` is 1."""
+    if sample_ratio >= 1.0:
+        return 1, d
+    pct = math.ceil(d * sample_ratio)
+    cpr = math.ceil(2 / density)
+    if d <= cpr:
+        return 1, d
+    want = max(pct, cpr)
+    stride = math.ceil(d / want / 32) * 32 + 1
+    while d // stride < want:
+        stride -= 8
+    return stride, d // stride
+
+
+@register_compressor(
+    "dgc", "Deep Gradient Compression: sampled top-k threshold with warm-up (memory: DGCMemory)"
+)
+class DGC(Compressor):
+    """The sampled-threshold sparsifier of Deep Gradient Compression; see the module docstring."""
+
+    name = "dgc"
+    summable = False
+    fixed_size = False
+
+    def __init__(
+        self,
+        *,
+        ratio: float = 0.001,
+        sample_ratio: float = 0.01,
+        strided: bool = True,
+        upper: float = 1.3,
+        lower: float = 0.8,
+        max_adapt: int = 10,
+        resample: bool = True,
+        warmup_epochs: int = 0,
+        epoch_steps: int = 1,
+        warmup_coeff: float | None = None,
+    ) -> None:
+        w = "DGC"
+        self.ratio = _number(w, "ratio", ratio, 0.0, 1.0)
+        self.sample_ratio = min(
+            max(_number(w, "sample_ratio", sample_ratio, 0.0, 1.0, lo_open=True), 0.01), 1.0
+        )
+        self.strided = _bool(w, "strided", strided)
+        self.upper = _number(w, "upper", upper, 1.0, math.inf)
+        self.lower = _number(w, "lower", lower, 0.0, 1.0, lo_open=True)
+        self.max_adapt = _int(w, "max_adapt", max_adapt, 0)
+        self.resample = _bool(w, "resample", resample)
+        self.warmup_epochs = _int(w, "warmup_epochs", warmup_epochs, 0)
+        self.epoch_steps = _int(w, "epoch_steps", epoch_steps, 1)
+        if warmup_coeff is None:
+            coeff = self.ratio ** (1.0 / (self.warmup_epochs + 1)) if self.warmup_epochs else 1.0
+        else:
+            coeff = _number(w, "warmup_coeff", warmup_coeff, 0.0, 1.0, lo_open=True)
+        self.warmup_coeff = coeff
+        self._explicit_coeff = warmup_coeff is not None
+
+    def density(self, step: int) -> float:
+        """The fraction of a unit sent at ``step`` (warm-up, then ``ratio``)."""
+        epoch = step // self.epoch_steps
+        if epoch < self.warmup_epochs:
+            return max(self.warmup_coeff ** (epoch + 1), self.ratio)
+        return self.ratio
+
+    def select(self, v: Tensor, ctx: CompressContext) -> Tensor:
+        """The indices (int64) of ``v`` to send at ``ctx.step``; see the module docstring."""
+        d = v.numel()
+        rho = self.density(ctx.step)
+        k = count_from_ratio(rho, d)
+        if k == 0:
+            return torch.empty(0, dtype=torch.int64, device=v.device)
+        if k >= d:  # density 1: everything (the authors' code sends such a tensor dense)
+            return torch.arange(d, device=v.device)
+        imp = v.abs()
+        stride, n_samples = sample_plan(d, rho, self.sample_ratio)
+        if n_samples == d:
+            return topk_indices(imp, k)
+        g = ctx.generator(shared=False)
+        if self.strided:
+            start = int(torch.randint(0, stride, (1,), generator=g))
+            samples = imp[start::stride]
+        else:
+            samples = imp[torch.randint(0, d, (n_samples,), generator=g).to(v.device)]
+        top = min(samples.numel(), math.ceil(n_samples * rho))
+        threshold = torch.topk(samples, top, sorted=False).values.min()
+        idx = (imp >= threshold).nonzero().view(-1)
+        for _ in range(self.max_adapt):
+            if idx.numel() > k:
+                if idx.numel() <= k * self.upper:
+                    break
+                if self.resample:
+                    return idx[topk_indices(imp[idx], k)]  # the exact top-k of the selection
+                threshold = threshold * self.upper
+            elif idx.numel() < self.lower * k:
+                threshold = threshold * self.lower
+            else:
+                break
+            idx = (imp >= threshold).nonzero().view(-1)
+        return idx[:k]
+
+    def compress(self, x: Tensor, ctx: CompressContext) -> Payload:
+        x = check_input(self, x, ctx)
+        idx = self.select(x, ctx)
+        return Payload((idx.to(index_dtype(x.numel())), x[idx]), x.numel(), x.dtype)
+
+    def decompress(self, payload: Payload, ctx: CompressContext) -> Tensor:
+        indices, values = payload.data
+        return scatter(values, indices, payload.numel, payload.dtype)
+
+    def nbytes(self, k: int, d: int, dtype: torch.dtype) -> int:
+        """The payload's size when ``k`` of ``d`` elements of ``dtype`` are sent."""
+        return k * (
+            torch.empty(0, dtype=index_dtype(d)).element_size() + torch.empty(0, dtype=dtype).element_size()
+        )
+
+    def options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {
+            "ratio": self.ratio,
+            "sample_ratio": self.sample_ratio,
+            "strided": self.strided,
+        }
+        if self.warmup_epochs:
+            opts.update(warmup_epochs=self.warmup_epochs, epoch_steps=self.epoch_steps)
+            if self._explicit_coeff:
+                opts["warmup_coeff"] = self.warmup_coeff
+        return opts
+
+
+class DGCMemory(Memory):
+    """Momentum correction (``u``, ``v`` per parameter name), momentum factor masking and local gradient
+    clipping; see the module docstring."""
+
+    kind = "dgc"
+
+    def __init__(
+        self,
+        *,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        masking: bool = True,
+        clip_norm: float | None = None,
+    ) -> None:
+        w = "DGCMemory"
+        self.momentum = _number(w, "momentum", momentum, 0.0, 1.0)
+        self.nesterov = _bool(w, "nesterov", nesterov)
+        self.masking = _bool(w, "masking", masking)
+        self.clip_norm = (
+            None if clip_norm is None else _number(w, "clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
+        )
+        self.velocities: dict[str, Tensor] = {}
+        self.momenta: dict[str, Tensor] = {}
+
+    @staticmethod
+    def _flat(store: dict[str, Tensor], segments: Segments, like: Tensor) -> Tensor:
+        parts = []
+        for name, n in segments:
+            t = store.get(name)
+            if t is None:
+                t = torch.zeros(n, dtype=like.dtype, device=like.device)
+            elif t.numel() != n:
+                raise InvalidArgumentError(
+                    f"DGCMemory: parameter {name!r} has {n} elements, its memory {t.numel()}"
+                )
+            parts.append(t)
+        return torch.cat(parts) if len(parts) != 1 else parts[0].clone()
+
+    @staticmethod
+    def _store(store: dict[str, Tensor], segments: Segments, flat: Tensor) -> None:
+        pos = 0
+        for name, n in segments:
+            store[name] = flat[pos : pos + n].clone()
+            pos += n
+
+    def clip(self, g: Tensor) -> Tensor:
+        """``g`` scaled to an L2 norm of at most ``clip_norm`` (as torch's ``clip_grad_norm_``)."""
+        if self.clip_norm is None:
+            return g
+        coef = self.clip_norm / (float(g.norm()) + 1e-6)
+        return g * coef if coef < 1 else g
+
+    def compensate(self, segments: Segments, x: Tensor) -> Tensor:
+        check_segments("DGCMemory.compensate", segments, x)
+        g = self.clip(x)
+        u = self._flat(self.momenta, segments, x)
+        v = self._flat(self.velocities, segments, x)
+        if self.nesterov:
+            u.add_(g).mul_(self.momentum)
+            v.add_(u).add_(g)
+        else:
+            u.mul_(self.momentum).add_(g)
+            v.add_(u)
+        self._store(self.momenta, segments, u)
+        self._store(self.velocities, segments, v)
+        return v
+
+    def update(self, segments: Segments, compensated: Tensor, decoded: Tensor) -> None:
+        check_segments("DGCMemory.update", segments, compensated)
+        self._store(self.velocities, segments, compensated - decoded)
+        if self.masking:
+            u = self._flat(self.momenta, segments, compensated)
+            u.masked_fill_(decoded != 0, 0)
+            self._store(self.momenta, segments, u)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "tensors": {k: v.clone() for k, v in self.velocities.items()},
+            "momenta": {k: v.clone() for k, v in self.momenta.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state.get("kind") != self.kind:
+            raise InvalidArgumentError(
+                f"DGCMemory.load_state_dict: expected a 'dgc' memory, got {state.get('kind')!r}"
+            )
+        for key in ("tensors", "momenta"):
+            got = state.get(key, {})
+            if not isinstance(got, Mapping) or not all(isinstance(v, Tensor) for v in got.values()):
+                raise InvalidArgumentError(f"DGCMemory.load_state_dict: {key!r} must map names to tensors")
+        self.velocities = {str(k): v.clone() for k, v in state.get("tensors", {}).items()}
+        self.momenta = {str(k): v.clone() for k, v in state.get("momenta", {}).items()}
+
+    def __repr__(self) -> str:
+        clip = f", clip_norm={self.clip_norm:g}" if self.clip_norm is not None else ""
+        return (
+            f"DGCMemory(momentum={self.momentum:g}, nesterov={self.nesterov}, masking={self.masking}{clip})"
+        )
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer with momentum next to :class:`DGCMemory`, which applies the momentum itself
+    (momentum correction): the optimizer must step with the averaged sparse update as it is."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidArgumentError(f"DGC: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    for i, group in enumerate(optimizer.param_groups):
+        momentum, nesterov = group.get("momentum", 0), group.get("nesterov", False)
+        if momentum or nesterov:
+            raise InvalidArgumentError(
+                f"DGC: the optimizer's parameter group {i} has momentum={momentum!r}, nesterov={nesterov!r}; "
+                "DGC's memory applies the momentum (momentum correction), so the optimizer must run without "
+                "it (e.g. torch.optim.SGD with momentum=0)"
+            )
