@@ -216,3 +216,19 @@ def test_check_optimizer_refuses_momentum() -> None:
     ):
         with pytest.raises(InvalidArgumentError, match=r"momentum=0\.9.*must run without"):
             check_optimizer(opt)
+
+
+def test_memory_from_a_spec() -> None:
+    red = make_reducer("allreduce", "randomk:k=2", "dgc:momentum=0.5,masking=false,clip_norm=3")
+    assert isinstance(red.memory, DGCMemory)
+    assert (red.memory.momentum, red.memory.masking, red.memory.clip_norm) == (0.5, False, 3.0)
+    assert (
+        repr(make_reducer("allreduce", "identity", "residual:beta=0.5").memory) == "ResidualMemory(beta=0.5)"
+    )
+    for spec, msg in [
+        ("dgc:momentum=yes", "momentum=.yes. must be float"),
+        ("dgc:lr=0.1", "unknown option"),
+        ("momentum", "unknown memory 'momentum'; known: dgc, none, residual"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=msg):
+            make_reducer("allreduce", "identity", spec)

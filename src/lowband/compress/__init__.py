@@ -17,7 +17,7 @@ from lowband.compress.base import (
 )
 from lowband.compress.dgc import DGCMemory
 from lowband.compress.hooks import ddp_hook
-from lowband.compress.memory import Memory, NoMemory, ResidualMemory, reshard_memories
+from lowband.compress.memory import MEMORIES, Memory, NoMemory, ResidualMemory, reshard_memories
 from lowband.compress.optimizer import CompressedOptimizer
 from lowband.compress.powersgd import PowerSGDReducer
 from lowband.compress.ps import PSCompressedReducer
@@ -27,6 +27,7 @@ from lowband.compress.twostage import TwoStageCompressedReducer, reshard_server_
 
 __all__ = [
     "COMPRESSORS",
+    "MEMORIES",
     "TRANSPORTS",
     "AllgatherCompressedReducer",
     "AllreduceCompressedReducer",

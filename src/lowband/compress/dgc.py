@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from lowband.compress.base import CompressContext, Compressor, Payload, check_input, register_compressor
-from lowband.compress.memory import Memory, Segments, check_segments
+from lowband.compress.memory import MEMORIES, Memory, Segments, check_segments
 from lowband.compress.sparse import count_from_ratio, index_dtype, scatter, topk_indices
 from lowband.errors import InvalidArgumentError
 
@@ -201,6 +201,9 @@ class DGC(Compressor):
         return opts
 
 
+@MEMORIES.registering(
+    "dgc", "Deep Gradient Compression's momentum correction (momentum=, masking=, clip_norm=)"
+)
 class DGCMemory(Memory):
     """Momentum correction (``u``, ``v`` per parameter name), momentum factor masking and local gradient
     clipping; see the module docstring."""

@@ -20,16 +20,21 @@ ranks preserving their sum over ranks (the quantity error feedback promises to d
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from lowband.errors import InvalidArgumentError
+from lowband.registry import Registry
 
 Tensor = torch.Tensor
 #: a unit's parameters in flat order: ``((name, numel), ...)``
 Segments = tuple[tuple[str, int], ...]
+
+
+#: every memory by name, for specs (``"residual"``, ``"dgc:momentum=0.9"``): ``factory(**options) -> Memory``
+MEMORIES: Registry[Callable[..., Memory]] = Registry("memory")
 
 
 def check_segments(where: str, segments: Segments, x: Tensor) -> None:
@@ -60,6 +65,7 @@ class Memory(abc.ABC):
         """Inverse of :meth:`state_dict`."""
 
 
+@MEMORIES.registering("none", "no error feedback")
 class NoMemory(Memory):
     """No error feedback: the compressor's error is lost (unbiased compressors, or an ablation)."""
 
@@ -83,6 +89,7 @@ class NoMemory(Memory):
         return "NoMemory()"
 
 
+@MEMORIES.registering("residual", "error feedback: what the compressor dropped, added to the next gradient")
 class ResidualMemory(Memory):
     """Error feedback (EF-SGD; MXNet's residual): ``p = x + e``, then ``e = p - decode(Q(p))``.
 

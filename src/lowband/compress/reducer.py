@@ -28,8 +28,15 @@ import torch
 
 from lowband.comm.handle import Handle
 from lowband.comm.reduce import iallreduce
-from lowband.compress.base import CompressContext, Compressor, Payload, check_option_types, make_compressor
-from lowband.compress.memory import Memory, NoMemory, ResidualMemory, Segments
+from lowband.compress.base import (
+    CompressContext,
+    Compressor,
+    Payload,
+    check_option_types,
+    make_compressor,
+    parse_spec,
+)
+from lowband.compress.memory import MEMORIES, Memory, NoMemory, Segments
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
@@ -167,13 +174,21 @@ class CompressedReducer(Reducer):
 
 
 def make_memory(memory: Memory | str | None, where: str) -> Memory:
+    """A :class:`Memory` as is, ``None`` (no memory), or a spec from :data:`MEMORIES` (``"residual"``,
+    ``"none"``, ``"dgc:momentum=0.9"``)."""
     if isinstance(memory, Memory):
         return memory
-    if memory is None or memory == "none":
+    if memory is None:
         return NoMemory()
-    if memory == "residual":
-        return ResidualMemory()
-    raise InvalidArgumentError(f"{where}: memory must be 'residual', 'none' or a Memory, got {memory!r}")
+    if not isinstance(memory, str):
+        raise InvalidArgumentError(
+            f"{where}: memory must be a spec such as 'residual' or a Memory, got {memory!r}"
+        )
+    name, opts = parse_spec(memory, "memory")
+    factory = MEMORIES.get(name, f"{where}: memory")
+    MEMORIES.check_options(name, opts, f"{where}: memory {name!r}")
+    check_option_types(f"{where}: memory {name!r}", factory, opts)
+    return factory(**opts)
 
 
 #: every transport: ``cls(compressor, memory, *, seed=..., **options) -> CompressedReducer``
