@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel
 
 import lowband
 from lowband.compress import PowerSGDReducer, make_reducer
@@ -133,6 +135,61 @@ def test_equals_torch_powersgd_hook_bit_for_bit(n: int, config: str) -> None:
         bad = [d for d in res[r] if d[2] != 0.0]
         assert not bad, f"rank {r}: (iteration, bucket, max |diff|) {bad}"
         assert len(res[r]) == ITERS * len(BUCKETS)
+
+
+def _locked_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    with _HOOK_LOCK:
+        return powerSGD_hook(state, bucket)
+
+
+# DDP compares the hook's annotations with the classes themselves (not postponed strings)
+_locked_hook.__annotations__ = {
+    "state": PowerSGDState,
+    "bucket": dist.GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _train(hook: str, cfg: dict[str, Any]) -> torch.Tensor:
+    r = lowband.rank()
+    g = torch.Generator().manual_seed(3)
+    m = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    pg = _torch_group()
+    ddp = DistributedDataParallel(m, process_group=pg)  # one bucket: torch's hook never races itself
+    if hook == "torch":
+        state: Any = PowerSGDState(
+            pg, matrix_approximation_rank=cfg["rank"], start_powerSGD_iter=cfg["start"],
+            min_compression_rate=cfg["rate"], use_error_feedback=cfg["ef"], warm_start=cfg["warm"],
+            random_seed=cfg["seed"], batch_tensors_with_same_shape=cfg["batch"],
+        )  # fmt: skip
+        ddp.register_comm_hook(state, _locked_hook)
+    else:
+        state, fn = lowband.ddp_comm_hook(_reducer(cfg), m)
+        ddp.register_comm_hook(state, fn)
+    _KEEP.extend([state, ddp])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for k in range(ITERS):
+        opt.zero_grad()
+        data = torch.Generator().manual_seed(1000 * r + k)
+        loss = ((ddp(torch.randn(6, 12, generator=data)) - torch.randn(6, 3, generator=data)) ** 2).mean()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]).clone()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_as_a_ddp_hook_trains_as_torch_powersgd_hook(n: int) -> None:
+    cfg = CONFIGS["rank2-ef-warm-batched"] | {"start": 2, "rate": 1.0}
+    try:
+        res = run_threads(lambda: {h: _train(h, cfg) for h in ("torch", "lowband")}, n, timeout=120)
+    finally:
+        _KEEP.clear()
+    for r in range(n):
+        assert torch.equal(res[r]["torch"], res[r]["lowband"]), f"rank {r}"
+        assert torch.equal(res[r]["lowband"], res[0]["lowband"])
 
 
 def test_state_is_keyed_by_parameter_name() -> None:
