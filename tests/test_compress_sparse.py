@@ -47,6 +47,26 @@ def test_topk_picks_exactly_the_k_largest(values: list[float], k: int, dtype: to
     assert out.dtype == dtype and torch.equal(out, want)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(floats, max_size=40), st.integers(0, 45), st.booleans(), st.integers(0, 50))
+def test_randomk_sends_k_values_at_shared_coordinates(
+    values: list[float], k: int, scale: bool, step: int
+) -> None:
+    x = torch.tensor(values, dtype=torch.float64)
+    d = x.numel()
+    c = RandomK(k=k, scale=scale)
+    ctx = CompressContext("u", step, rank=step % 3, seed=4)
+    p = c.compress(x, ctx)
+    kk = min(k, d)
+    idx = RandomK(k=k).indices(d, CompressContext("u", step, rank=0, seed=4))  # another instance, rank
+    assert idx.numel() == kk and sorted(set(idx.tolist())) == idx.tolist()
+    assert len(p.data) == 1 and torch.equal(p.data[0], x[idx])
+    assert p.nbytes == c.nbytes(d, x.dtype) == 8 * kk
+    want = torch.zeros_like(x)
+    want[idx] = x[idx] * (d / kk if scale and kk else 1.0)
+    assert torch.equal(c.decompress(p, ctx), want)
+
+
 def test_topk_ties_break_by_lowest_index() -> None:
     x = torch.tensor([3.0, -1.0, 2.0, -2.0, 2.0, 0.0, 2.0])
     assert TopK(k=3).compress(x, CTX).data[0].tolist() == [0, 2, 3]

@@ -136,14 +136,21 @@ class RandomK(_Sparsifier):
         if not isinstance(scale, bool):
             raise InvalidArgumentError(f"RandomK: scale must be a bool, got {scale!r}")
         self.scale = scale
+        self._last: tuple[tuple[int, int, str, int], Tensor] | None = None
 
     def indices(self, d: int, ctx: CompressContext, device: torch.device | str = "cpu") -> Tensor:
         """The step's coordinates for a unit of ``d`` elements (ascending, int64): the same on every rank."""
         k = self.count(d)
         if k == 0:
             return torch.empty(0, dtype=torch.int64, device=device)
+        key = (ctx.seed, ctx.step, ctx.name, d)
+        cached = self._last  # the draw of the last compress, reused by its decompress
+        if cached is not None and cached[0] == key:
+            return cached[1].to(device)
         g = ctx.generator(shared=True)
-        return torch.randperm(d, generator=g)[:k].sort().values.to(device)
+        idx = torch.randperm(d, generator=g)[:k].sort().values
+        self._last = (key, idx)
+        return idx.to(device)
 
     def compress(self, x: Tensor, ctx: CompressContext) -> Payload:
         x = check_input(self, x, ctx)
