@@ -1,6 +1,7 @@
 """Deep Gradient Compression: momentum correction and factor masking against a per-element reference
 recurrence, the sampled threshold's guarantees, the authors' sample plan, warm-up densities, declared
-wire size, sizes and non-finite input, state and resharding, and the optimizer check."""
+wire size, sizes and non-finite input, state and resharding, memory specs, the optimizer check, and
+DGC with its memory over the allgather transport at world sizes 1-4 against every rank's local decodes."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lowband
 from lowband.compress import CompressContext, DGCMemory, make_compressor, make_reducer, reshard_memories
 from lowband.compress.dgc import DGC, check_optimizer, sample_plan
 from lowband.errors import InvalidArgumentError
+from lowband.optim import ReduceContext, Unit
+from lowband.testing import run_threads
 
 SEGS = (("w", 5), ("b", 3))
 
@@ -232,3 +236,39 @@ def test_memory_from_a_spec() -> None:
     ]:
         with pytest.raises(InvalidArgumentError, match=msg):
             make_reducer("allreduce", "identity", spec)
+
+
+def _grads(rank: int, step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return [torch.randn(6, 5, generator=g), torch.randn(5, generator=g)]
+
+
+def _dgc_over_allgather() -> list[torch.Tensor]:
+    red = make_reducer("allgather", "dgc:ratio=0.1", "dgc:momentum=0.9", seed=3)
+    unit = Unit("w..b", ("w", "b"), (torch.zeros(6, 5), torch.zeros(5)))
+    group = lowband.world().unchecked()
+    outs = []
+    for step in range(4):
+        out = red.reduce(unit, _grads(lowband.rank(), step), ReduceContext(group, step)).wait()
+        outs.append(torch.cat([o.reshape(-1) for o in out]).clone())
+    return outs
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_dgc_over_the_allgather_transport_equals_the_mean_of_local_decodes(n: int) -> None:
+    res = run_threads(_dgc_over_allgather, n, timeout=60)
+    segs = (("w", 30), ("b", 5))
+    mems = [DGCMemory(momentum=0.9) for _ in range(n)]
+    c = DGC(ratio=0.1)
+    for step in range(4):
+        decodes = []
+        for r in range(n):
+            p = mems[r].compensate(segs, torch.cat([g.reshape(-1) for g in _grads(r, step)]))
+            ctx = CompressContext("w..b", step, rank=r, seed=3)
+            d = c.decompress(c.compress(p, ctx), ctx)
+            mems[r].update(segs, p, d)
+            decodes.append(d)
+        want = torch.stack(decodes).sum(0) / n
+        for r in range(n):
+            assert torch.allclose(res[r][step], want, atol=1e-6), f"rank {r} step {step}"
+            assert torch.equal(res[r][step], res[0][step])
