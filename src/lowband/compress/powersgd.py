@@ -146,13 +146,24 @@ class PowerSGDReducer(CompressedReducer):
             )
 
     def exchange(self, payload: Payload, cctx: CompressContext, unit: Unit, group: Group) -> Handle[Tensor]:
-        """The sum over ranks of a summable payload's decodes (one allreduce)."""
-        h = iallreduce(payload.data[0], "sum", inplace=True, name=cctx.name, group=group)
-        return h.map(lambda summed: self.decode(Payload((summed,), payload.numel, payload.dtype), cctx))
+        """The average over ranks of a summable payload's decodes: their sum decoded, then divided by the
+        group size (as torch's hook averages its uncompressed buffer and Q)."""
+        return self._summed(payload, cctx, group).map(lambda total: total.div_(group.size))
 
-    def _sum(self, x: Tensor, what: str, unit: Unit, ctx: ReduceContext) -> Handle[Tensor]:
+    def _summed(self, payload: Payload, cctx: CompressContext, group: Group) -> Handle[Tensor]:
+        h = iallreduce(payload.data[0], "sum", inplace=True, name=cctx.name, group=group)
+        return h.map(lambda total: self.decode(Payload((total,), payload.numel, payload.dtype), cctx))
+
+    def _allreduce(
+        self, x: Tensor, what: str, unit: Unit, ctx: ReduceContext, *, average: bool
+    ) -> Handle[Tensor]:
         cctx = CompressContext(f"{unit.key}/{what}", ctx.step, ctx.group.rank, self.seed)
-        return self.exchange(self.compressor.compress(x, cctx), cctx, unit, ctx.group)
+        payload = self.compressor.compress(x, cctx)
+        return (
+            self.exchange(payload, cctx, unit, ctx.group)
+            if average
+            else self._summed(payload, cctx, ctx.group)
+        )
 
     def _advance(self, step: int) -> None:
         if self.last_step is not None and step != self.last_step:
@@ -168,7 +179,9 @@ class PowerSGDReducer(CompressedReducer):
             flat = flatten(grads)
             if self.iteration < self.start_iter:
                 self.timings.units += 1
-                return self._sum(flat.div_(n), "full", unit, ctx).map(lambda avg: unflatten_into(avg, grads))
+                return self._allreduce(flat.div_(n), "full", unit, ctx, average=False).map(
+                    lambda avg: unflatten_into(avg, grads)
+                )
             segs = segments(unit, grads)
             x = self.memory.compensate(segs, flat)
             kept = None if isinstance(self.memory, NoMemory) else x.clone()
@@ -180,12 +193,12 @@ class PowerSGDReducer(CompressedReducer):
                 torch.bmm(m, q, out=p)
             self.timings.compress_s += time.perf_counter() - t0
             self.timings.units += 1
-            h_unc = self._sum(unc_buf, "uncompressed", unit, ctx)
-            h_p = self._sum(p_buf, "P", unit, ctx)
-            summed = h_unc.wait().div_(n)
+            h_unc = self._allreduce(unc_buf, "uncompressed", unit, ctx, average=True)
+            h_p = self._allreduce(p_buf, "P", unit, ctx, average=False)  # orthogonalized: no division
+            averaged = h_unc.wait()
             pos = 0
             for t in unc:
-                t.copy_(summed[pos : pos + t.numel()].view_as(t))
+                t.copy_(averaged[pos : pos + t.numel()].view_as(t))
                 pos += t.numel()
             p_buf.copy_(h_p.wait())
             t0 = time.perf_counter()
@@ -193,12 +206,12 @@ class PowerSGDReducer(CompressedReducer):
                 orthogonalize(p, self.epsilon)
                 torch.bmm(m.transpose(1, 2), p, out=q)
             self.timings.compress_s += time.perf_counter() - t0
-        h_q = self._sum(q_buf, "Q", unit, ctx)
+        h_q = self._allreduce(q_buf, "Q", unit, ctx, average=True)
 
-        def finish(q_sum: Tensor) -> list[Tensor]:
+        def finish(q_avg: Tensor) -> list[Tensor]:
             t1 = time.perf_counter()
             with torch.no_grad():
-                q_buf.copy_(q_sum.div_(n))
+                q_buf.copy_(q_avg)
                 for m, p, q in zip(ms, ps, qs):
                     torch.bmm(p, q.transpose(1, 2), out=m)
                 for m, originals in zip(ms, plan["batches"]):
