@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import lowband
 from lowband.compress import CompressContext, DGCMemory, make_compressor, make_reducer, reshard_memories
 from lowband.compress.dgc import DGC, check_optimizer, sample_plan
+from lowband.compress.specs import build_reducer, describe_reducer
 from lowband.errors import InvalidArgumentError
 from lowband.optim import ReduceContext, Unit
 from lowband.testing import run_threads
@@ -272,3 +273,11 @@ def test_dgc_over_the_allgather_transport_equals_the_mean_of_local_decodes(n: in
         for r in range(n):
             assert torch.allclose(res[r][step], want, atol=1e-6), f"rank {r} step {step}"
             assert torch.equal(res[r][step], res[0][step])
+
+
+def test_through_the_user_facing_specs() -> None:
+    red = build_reducer("dgc:ratio=0.01;warmup_epochs=4", "auto", "dgc:momentum=0.5;clip_norm=2")
+    assert red.transport == "allgather" and isinstance(red.memory, DGCMemory) and red.memory.momentum == 0.5
+    assert describe_reducer(red)["memory"] == "dgc"
+    with pytest.raises(InvalidArgumentError, match="unknown memory 'dgcx'; known: dgc, none, residual"):
+        build_reducer("dgc", "auto", "dgcx")

@@ -202,10 +202,22 @@ def test_state_is_keyed_by_parameter_name() -> None:
             red.reduce(unit, [torch.randn(16, 12), torch.randn(16)], ReduceContext(group, it)).wait()
         return red.state_dict()
 
-    sd = run_threads(body, 2, timeout=60)[0]
+    sds = run_threads(body, 2, timeout=60)
+    sd = sds[0]
     assert sorted(sd["memory"]["tensors"]) == ["b1", "w1"]
     assert sorted(sd["powersgd"]["q"]) == ["w1"] and sd["powersgd"]["q"]["w1"].shape == (12, 1)
     assert sd["powersgd"]["iteration"] == 1 and sd["powersgd"]["seen"] == [["w1", "b1"]]
+    three = PowerSGDReducer.reshard_states(sds, 3)  # to another world size: memories keep their sum
+    for name in ("w1", "b1"):
+        total = sds[0]["memory"]["tensors"][name] + sds[1]["memory"]["tensors"][name]
+        assert torch.allclose(sum(t["memory"]["tensors"][name] for t in three), total, atol=1e-6)
+    assert all(torch.equal(t["powersgd"]["q"]["w1"], sd["powersgd"]["q"]["w1"]) for t in three)
+    other = _reducer({**CONFIGS["rank1-ef-warm"], "start": 0})
+    other.load_state_dict(three[2])
+    assert other.iteration == 1 and torch.equal(other.q["w1"], sd["powersgd"]["q"]["w1"])
+    sds[1]["powersgd"]["iteration"] = 7
+    with pytest.raises(InvalidArgumentError, match="'powersgd' state differs between rank 0 and rank 1"):
+        PowerSGDReducer.reshard_states(sds, 3)
 
 
 def test_orthogonalize_gives_orthonormal_columns() -> None:

@@ -31,8 +31,9 @@ caller's thread in program order (torch's hook issues its later rounds from call
 
 from __future__ import annotations
 
+import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +42,7 @@ import torch
 from lowband.comm.handle import Handle
 from lowband.comm.reduce import iallreduce
 from lowband.compress.base import CompressContext, Compressor, Payload
-from lowband.compress.memory import Memory, NoMemory
+from lowband.compress.memory import Memory, NoMemory, reshard_memories
 from lowband.compress.reducer import TRANSPORTS, CompressedReducer, flatten, segments, unflatten_into
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -80,6 +81,19 @@ def _matrix_shape(g: Tensor) -> tuple[int, int]:
     if g.dim() == 0 or g.numel() == 0:
         return (1, g.numel())  # never compressed (a scalar, or an empty gradient)
     return (g.shape[0], g.numel() // g.shape[0])
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Deep equality of state values (tensors exactly, dtype and shape included)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor) and isinstance(b, Tensor) and a.dtype == b.dtype and bool(torch.equal(a, b))
+        )
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
 
 
 def _check(where: str, what: str, value: object, kind: type, low: float) -> None:
@@ -324,6 +338,27 @@ class PowerSGDReducer(CompressedReducer):
         self.last_step = None if own.get("last_step") is None else int(own["last_step"])
         self.q = {str(k): v.clone() for k, v in own["q"].items()}
         self.seen = {tuple(u) for u in own["seen"]}
+
+    @classmethod
+    def reshard_states(cls, states: Sequence[Mapping[str, Any]], world_size: int) -> list[dict[str, Any]]:
+        """Every rank's state for ``world_size`` ranks: the error memories re-sharded
+        (:func:`~lowband.compress.memory.reshard_memories`: per parameter, their sum over ranks kept);
+        the Q factors, random state and counters, the same on every rank, copied (refused if they
+        differ, as a compressor state that differs)."""
+        where = f"{cls.__name__}.reshard_states"
+        if not states or not all(
+            isinstance(s, Mapping) and "powersgd" in s and "memory" in s for s in states
+        ):
+            raise InvalidArgumentError(f"{where}: expects every rank's state with 'memory' and 'powersgd'")
+        for key in ("powersgd", "compressor"):
+            for r, st in enumerate(states[1:], 1):
+                if not _same(st.get(key, {}), states[0].get(key, {})):
+                    raise InvalidArgumentError(
+                        f"{where}: the {key!r} state differs between rank 0 and rank {r}"
+                    )
+        memories = reshard_memories([s["memory"] for s in states], world_size)
+        keep = {k: v for k, v in states[0].items() if k != "memory"}
+        return [{"memory": m, **copy.deepcopy(keep)} for m in memories]
 
     def __repr__(self) -> str:
         return (

@@ -2,7 +2,7 @@
 without error feedback, on lowband's gradient stage (the ``stage`` strategy with a
 :class:`~lowband.compress.reducer.CompressedReducer` as its reducer), then the torch optimizer.
 
-Spec: ``compressed:compressor=NAME[:opt=v;opt=v],reducer=TRANSPORT|auto,memory=residual|none,
+Spec: ``compressed:compressor=NAME[:opt=v;opt=v],reducer=TRANSPORT|auto,memory=residual|none|dgc[:opt=v;...],
 bucket_mb=MB,seed=S`` (a nested spec separates its options with ``;``), e.g.
 ``compressed:compressor=qsgd:levels=16;bucket=512,reducer=ps``. ``reducer=auto`` (the default) is the
 allreduce transport for formats that sum on the wire (casts) and the allgather transport for all others
@@ -112,7 +112,7 @@ class CompressedStrategy(StageStrategy):
 @register_strategy(
     "compressed",
     "any registered compressor through any registered transport on the gradient stage "
-    "(compressor=SPEC, reducer=auto|TRANSPORT, memory=residual|none, bucket_mb, seed)",
+    "(compressor=SPEC, reducer=auto|TRANSPORT, memory=residual|none|dgc, bucket_mb, seed)",
 )
 def compressed(
     model: nn.Module,
