@@ -162,6 +162,12 @@ def init_thread_rank(
     return ctx
 
 
+def bind_thread(ctx: Context | None) -> None:
+    """Make the calling thread act for ``ctx``'s rank (a worker thread started by that rank, such as an
+    asynchronous compression executor, sees the rank's context and groups); ``None`` unbinds it."""
+    _local.ctx = ctx
+
+
 def _make_hierarchy(ctx: Context) -> None:
     """Build the intra-machine and cross-machine groups when there is more than one machine."""
     if ctx.machine_size == 1:

@@ -1,0 +1,282 @@
+"""SlimGC's reduction pipeline: the gradient stage's units, through the executor, compressed or sent in
+full precision according to the communication threshold.
+
+:class:`SlimGCReducer` is the :class:`~lowband.optim.Reducer` the gradient stage calls from its backward
+hooks (one unit per parameter tensor, in the stage's fixed launch order). It hands the unit to the
+:class:`~lowband.compress.slimgc.executor.Executor` and returns a completed handle at once: for the
+stage the unit is handed over; the round's averaged gradients are collected by :meth:`wait_round`.
+On the executor (worker thread, or inline), per unit:
+
+- warm-up (``comm_threshold=auto``, the first ``pre_steps`` rounds): every unit is sent alone and
+  waited for before the next (a probe), compressed on odd rounds and in full precision on even ones;
+  the seconds from launch to completion, and of compression, go into the warm-up
+  :class:`~lowband.compress.slimgc.table.Samples`;
+- afterwards a unit of at least BestCT bytes goes through the compressed reducer (compressor + error
+  feedback + transport); smaller units are fused into one full-precision allreduce (launched when
+  ``fuse_bytes`` have gathered, and at the end of the round), where the paper pushes each tensor alone.
+
+A unit sent in full precision carries its error-feedback memory with it (``g + e`` is sent and ``e``
+becomes 0): nothing the compressor left behind is lost when a unit stops being compressed.
+
+Agreement: at the first unit of round ``pre_steps`` a decision task runs (in the executor's order,
+so between the same collectives on every rank): the ranks' samples are combined (communication time:
+the minimum over ranks, which removes the wait for the last rank to arrive; compression time: the
+maximum, the slowest rank delays the collective), the table is built from them on every rank, and rank
+0's BestCT is broadcast (Algorithm 2, line 2).
+
+What a communication time measures: from the launch of the unit's collective (after compression) to the
+return of a blocking wait on it, on the thread that launched it, with no other unit in flight. It
+includes the transport's decoding of what it received (it runs when the op completes), the waiting
+thread's wake-up, and arrival skew (partly removed by the minimum over ranks); backward computation
+runs concurrently on the training thread, as it does in training.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lowband.comm.collectives import broadcast
+from lowband.comm.fusion import igrouped_allreduce
+from lowband.comm.handle import Handle, completed
+from lowband.comm.reduce import allreduce
+from lowband.compress.reducer import CompressedReducer, flatten, segments, unflatten_into
+from lowband.compress.slimgc.executor import Executor
+from lowband.compress.slimgc.table import (
+    INF,
+    Samples,
+    ThresholdTable,
+    build_table,
+    compress_mask,
+    compressed_step,
+)
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.reducer import ReduceContext, Reducer, Unit
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class _Round:
+    step: int
+    received: int = 0
+    # (units, handle, fused): a compressed unit's handle returns its gradients, a fused one the flats
+    launched: list[tuple[list[int], Handle[Any], bool]] = field(default_factory=list)
+    fuse: list[tuple[int, Tensor]] = field(default_factory=list)  # (unit, compensated flat)
+    fuse_bytes: int = 0
+    results: dict[int, list[Tensor]] = field(default_factory=dict)
+    done: bool = False
+
+
+class SlimGCReducer(Reducer):
+    """See the module docstring. ``threshold`` is a fixed BestCT in bytes (0: compress all, inf: none)
+    or None to measure it in a warm-up of ``pre_steps`` rounds. ``copy_grads`` makes each unit's
+    reduction work on copies (the gradients in ``.grad`` stay this rank's own, for the model backup)."""
+
+    def __init__(
+        self,
+        inner: CompressedReducer,
+        units: Sequence[Unit],
+        executor: Executor,
+        *,
+        threshold: float | None,
+        pre_steps: int,
+        fuse_bytes: int,
+        copy_grads: bool,
+    ) -> None:
+        where = type(self).__name__
+        if threshold is None and (
+            isinstance(pre_steps, bool) or not isinstance(pre_steps, int) or pre_steps < 2
+        ):
+            raise InvalidArgumentError(
+                f"{where}: comm_threshold=auto needs pre_steps >= 2 (full-precision and compressed warm-up "
+                f"steps alternate), got {pre_steps!r}"
+            )
+        self.inner = inner
+        self.units = list(units)
+        self.sizes = [u.nbytes() for u in self.units]
+        self.executor = executor
+        self.pre_steps = pre_steps if threshold is None else 0
+        self.fuse_bytes = fuse_bytes
+        self.copy_grads = copy_grads
+        self._index = {u.key: i for i, u in enumerate(self.units)}
+        self.samples: Samples | None = Samples(pre_steps, len(self.units)) if threshold is None else None
+        self.table: ThresholdTable | None = None
+        self.threshold: float | None = threshold
+        self.mask = compress_mask(self.sizes, threshold) if threshold is not None else []
+        self._rounds: dict[int, _Round] = {}
+        self._decision_due = threshold is None  # read and written on the training thread only
+        #: seconds the training thread waited for rounds (non-overlapped communication and compression)
+        self.wait_s = 0.0
+
+    # -- the stage's side (training thread) --------------------------------------------------------
+    def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
+        i = self._index.get(unit.key)
+        if i is None:
+            raise InvalidArgumentError(f"{type(self).__name__}: unit {unit.key!r} is not one of its units")
+        step = ctx.step
+        rnd = self._rounds.get(step)
+        if rnd is None:
+            rnd = self._rounds[step] = _Round(step)
+            if self._decision_due and step >= self.pre_steps:
+                self._decision_due = False
+                group = ctx.group
+                self.executor.submit(lambda: self._decide(group))
+        bufs = [g.detach().clone() for g in grads] if self.copy_grads else [g.detach() for g in grads]
+        self.executor.submit(lambda: self._process(rnd, i, bufs, ctx))
+        return completed(grads, op="slimgc", name=unit.key, rank=ctx.group.rank)
+
+    def wait_round(self, step: int) -> dict[int, list[Tensor]]:
+        """The averaged gradients of round ``step`` per unit index (bounded wait); the round is forgotten."""
+        rnd = self._rounds.get(step)
+        if rnd is None:
+            raise InvalidArgumentError(f"{type(self).__name__}: no reduction of round {step} was started")
+        t0 = time.perf_counter()
+        self.executor.wait_until(lambda: rnd.done, f"the gradient reduction of round {step}")
+        self.wait_s += time.perf_counter() - t0
+        del self._rounds[step]
+        return rnd.results
+
+    def pending_rounds(self) -> list[int]:
+        return sorted(self._rounds)
+
+    # -- the executor's side -----------------------------------------------------------------------
+    def _process(self, rnd: _Round, i: int, bufs: list[Tensor], ctx: ReduceContext) -> None:
+        unit, step = self.units[i], rnd.step
+        if self.threshold is None:
+            self._probe(rnd, i, bufs, ctx)
+        elif self.mask[i]:
+            rnd.launched.append(([i], self.inner.reduce(unit, bufs, ReduceContext(ctx.group, step)), False))
+        else:
+            flat = self._full_precision(unit, bufs)
+            rnd.results[i] = bufs
+            rnd.fuse.append((i, flat))
+            rnd.fuse_bytes += flat.numel() * flat.element_size()
+            if rnd.fuse_bytes >= self.fuse_bytes:
+                self._flush(rnd, ctx.group)
+        rnd.received += 1
+        if rnd.received == len(self.units):
+            self._finish(rnd, ctx.group)
+
+    def _full_precision(self, unit: Unit, bufs: list[Tensor]) -> Tensor:
+        """``g + e`` as one flat tensor, the unit's error-feedback memory emptied into it."""
+        flat = flatten(bufs)
+        segs = segments(unit, bufs)
+        p = self.inner.memory.compensate(segs, flat)
+        self.inner.memory.update(segs, p, p)
+        return p
+
+    def _flush(self, rnd: _Round, group: Group) -> None:
+        if not rnd.fuse:
+            return
+        idx = [i for i, _ in rnd.fuse]
+        flats = [f for _, f in rnd.fuse]
+        name = f"slimgc-fp:{self.units[idx[0]].key}+{len(idx) - 1}"
+        total = sum(f.numel() * f.element_size() for f in flats) + 1
+        h = igrouped_allreduce(flats, "average", inplace=True, name=name, group=group, fusion_threshold=total)
+        rnd.launched.append((idx, h, True))
+        rnd.fuse, rnd.fuse_bytes = [], 0
+
+    def _finish(self, rnd: _Round, group: Group) -> None:
+        """End of a round: launch what is fused, then complete every op in launch order."""
+        self._flush(rnd, group)
+        for idx, h, fused in rnd.launched:
+            out = h.wait()
+            if fused:
+                for i, flat in zip(idx, out):
+                    unflatten_into(flat, rnd.results[i])
+            else:
+                rnd.results[idx[0]] = out
+        rnd.launched = []
+        rnd.done = True
+        self.executor.notify()
+
+    def _probe(self, rnd: _Round, i: int, bufs: list[Tensor], ctx: ReduceContext) -> None:
+        """A warm-up unit: sent alone and waited for, timed (see the module docstring)."""
+        unit, step = self.units[i], rnd.step
+        t0 = time.perf_counter()
+        if compressed_step(step):
+            h: Handle[Any] = self.inner.reduce(unit, bufs, ReduceContext(ctx.group, step))
+            t1 = time.perf_counter()
+            rnd.results[i] = h.wait()
+        else:
+            flat = self._full_precision(unit, bufs)
+            t0 = t1 = time.perf_counter()
+            h = igrouped_allreduce(
+                [flat], "average", inplace=True, name=f"slimgc-fp:{unit.key}", group=ctx.group
+            )
+            unflatten_into(h.wait()[0], bufs)
+            rnd.results[i] = bufs
+        t2 = time.perf_counter()
+        assert self.samples is not None
+        self.samples.add(step, i, t2 - t1, t1 - t0)
+
+    def _decide(self, group: Group) -> None:
+        """BestCT from every rank's samples, the same on every rank (see the module docstring)."""
+        assert self.samples is not None
+        comm, comp = self.samples.comm, self.samples.compress
+        if group.size > 1:
+            packed = allreduce(torch.stack([-comm, comp]), "max", name="slimgc-table", group=group)
+            comm, comp = -packed[0], packed[1]
+        self.table = build_table(self.sizes, comm, comp)
+        best = self.table.best_threshold()
+        code = torch.tensor([-1 if math.isinf(best) else int(best)], dtype=torch.int64)
+        if group.size > 1:
+            code = broadcast(code, 0, name="slimgc-bestct", group=group)
+        self.set_threshold(INF if int(code) < 0 else float(int(code)))
+
+    def set_threshold(self, threshold: float) -> None:
+        self.threshold = threshold
+        self.mask = compress_mask(self.sizes, threshold)
+
+    # -- reports and state ---------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "best_ct_bytes": self.threshold,
+            "compressed_units": sum(self.mask),
+            "full_precision_units": len(self.mask) - sum(self.mask) if self.mask else None,
+            "wait_s": self.wait_s,
+            "executor_busy_s": self.executor.busy_s,
+            "compress_s": self.inner.timings.compress_s,
+            "decompress_s": self.inner.timings.decompress_s,
+        }
+        if self.table is not None:
+            out["threshold_table"] = self.table.report()
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "inner": self.inner.state_dict(),
+            "threshold": -1.0 if self.threshold is None else self.threshold,
+            "samples": {} if self.samples is None else self.samples.state_dict(),
+            "table": {} if self.table is None else self.table.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        where = f"{type(self).__name__}.load_state_dict"
+        if not isinstance(state, Mapping) or not {"inner", "threshold", "samples", "table"} <= set(state):
+            raise InvalidArgumentError(f"{where}: expects 'inner', 'threshold', 'samples' and 'table'")
+        if self._rounds:
+            raise InvalidArgumentError(f"{where}: rounds {sorted(self._rounds)} are in flight")
+        self.inner.load_state_dict(dict(state["inner"]))
+        threshold = float(state["threshold"])
+        if self.samples is not None and state["samples"]:
+            self.samples.load_state_dict(state["samples"])
+        self.table = ThresholdTable.from_state_dict(state["table"]) if state["table"] else None
+        if threshold >= 0:
+            self.set_threshold(threshold)
+            self._decision_due = False
+        elif self.samples is None:
+            raise InvalidArgumentError(
+                f"{where}: the checkpoint was taken during the warm-up (comm_threshold=auto), this "
+                "reducer has a fixed comm_threshold"
+            )
+
+    def __repr__(self) -> str:
+        return f"SlimGCReducer({self.inner!r}, threshold={self.threshold})"

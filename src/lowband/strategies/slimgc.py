@@ -1,0 +1,217 @@
+"""SlimGC ("SlimGC: Gradient Compression Optimization Strategy For Distributed Deep Learning") as a
+strategy: a compressed reducer on lowband's gradient stage with the paper's three mechanisms, each
+switchable for the ablation:
+
+- ``comm_threshold`` (``auto`` | bytes | ``0`` | ``inf``): the communication threshold table; ``auto``
+  measures BestCT in a warm-up of ``pre_steps`` steps, ``0`` compresses every tensor, ``inf`` none;
+- ``offload``: compression on a worker thread fed from the backward hooks (else inline, on the
+  training thread, in the hooks);
+- ``backup``: the model backup of Eq. 8 (the next step starts from the last global weights updated
+  with this rank's own gradient; the global aggregate lands one step later), with ``local_lr``.
+
+Plain compression (the ablation's baseline) is ``comm_threshold=0,offload=false,backup=false``. Units
+are single parameter tensors, as in the paper (it decides per gradient tensor by its size).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowband.comm.collectives import broadcast
+from lowband.compress.reducer import make_reducer
+from lowband.compress.slimgc.backup import ModelBackup
+from lowband.compress.slimgc.executor import Executor
+from lowband.compress.slimgc.pipeline import SlimGCReducer
+from lowband.compress.slimgc.table import parse_comm_threshold
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.reducer import Unit, parameter_names
+from lowband.optim.stage import GradientStage
+from lowband.runtime import current
+from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.registry import register_strategy
+
+
+def parameter_units(model: nn.Module) -> list[Unit]:
+    """One unit per trainable parameter tensor (registration order), keyed by its name."""
+    return [Unit(n, (n,), (p,)) for p, n in parameter_names(model).items() if p.requires_grad]
+
+
+class SlimGCStrategy(Strategy):
+    """See the module docstring."""
+
+    name = "slimgc"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        group: Group,
+        *,
+        compressor: str,
+        reducer: str,
+        comm_threshold: object,
+        pre_steps: int,
+        offload: bool,
+        backup: bool,
+        local_lr: float | None,
+        fuse_mb: float,
+        memory: str,
+        seed: int,
+    ) -> None:
+        where = f"{type(self).__name__} on rank {group.rank}"
+        threshold = parse_comm_threshold(where, comm_threshold)
+        for what, v in (("offload", offload), ("backup", backup)):
+            if not isinstance(v, bool):
+                raise InvalidArgumentError(f"{where}: {what} must be true or false, got {v!r}")
+        if isinstance(fuse_mb, bool) or not isinstance(fuse_mb, (int, float)) or fuse_mb < 0:
+            raise InvalidArgumentError(f"{where}: fuse_mb must be a number >= 0, got {fuse_mb!r}")
+        if local_lr is not None and not backup:
+            raise InvalidArgumentError(f"{where}: local_lr is the model backup's; it needs backup=true")
+        self.options = {
+            "compressor": compressor, "reducer": reducer, "comm_threshold": comm_threshold,
+            "pre_steps": pre_steps, "offload": offload, "backup": backup, "local_lr": local_lr,
+        }  # fmt: skip
+        inner = make_reducer(reducer, compressor, memory, seed=seed)
+        for t in model.state_dict().values():  # every replica starts from rank 0's model, as DDP
+            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        units = parameter_units(model)
+        self.executor = Executor(
+            offload=offload, timeout=current(where).config.timeout, where="slimgc-executor"
+        )
+        self.reducer = SlimGCReducer(
+            inner,
+            units,
+            self.executor,
+            threshold=threshold,
+            pre_steps=pre_steps,
+            fuse_bytes=int(fuse_mb * 2**20),
+            copy_grads=backup,
+        )
+        self.stage = GradientStage(units, self.reducer, group=group, where=type(self).__name__)
+        self.params = [p for p in parameter_names(model) if p.requires_grad]  # the units' order
+        self.backup: ModelBackup | None = None
+        if backup:
+            self.backup = ModelBackup(self.params, make_optimizer, local_lr=local_lr)
+            optimizer = self.backup.global_optimizer
+        else:
+            optimizer = make_optimizer(model.parameters())
+        self._pending: int | None = None  # the round whose global step is due (backup)
+        super().__init__(model, optimizer, group)
+
+    # -- the training step -------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        step = self.stage.rounds
+        self.stage.wait()  # every unit handed to the reducer (launched or queued)
+        if self.backup is None:
+            self.reducer.wait_round(step)  # the averages are in .grad
+            self.optimizer.step()
+            return
+        self._global_step()  # w(i) from the previous round, waited for only now
+        self._pending = step
+        self.backup.local_step()  # Eq. 8: the next step starts from w(i) - lr * own gradient
+
+    def _global_step(self) -> None:
+        if self._pending is None or self.backup is None:
+            return
+        results = self.reducer.wait_round(self._pending)
+        self._pending = None
+        self.backup.global_step([results[i][0] for i in range(len(self.params))])
+
+    def synchronize(self) -> None:
+        self.stage.wait()
+        for step in self.reducer.pending_rounds():
+            if step != self._pending:
+                self.reducer.wait_round(step)
+        self._global_step()
+        self.executor.drain()
+
+    def in_sync(self) -> bool:
+        return self.backup is None
+
+    def average_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: with the model backup, the global weights (the same on every rank) with the
+        ranks' buffers averaged; else the model's state."""
+        sd = super().average_state_dict()
+        if self.backup is not None:
+            for u, w in zip(self.stage.units, self.backup.weights):
+                sd[u.names[0]] = w.detach().clone()
+        return sd
+
+    # -- reports and checkpoints -------------------------------------------------------------------
+    def hparams(self) -> dict[str, Any]:
+        return {k: v for k, v in self.options.items() if v is not None}
+
+    def report(self) -> dict[str, Any]:
+        return {"slimgc": self.reducer.report()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume; completes the reduction in flight (and its global step) first."""
+        self.synchronize()
+        return super().state_dict()
+
+    def extra_state(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage.state_dict(),
+            "backup": {} if self.backup is None else self.backup.state_dict(),
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        where = f"{type(self).__name__}.load_state_dict"
+        if "stage" not in state or "backup" not in state:
+            raise InvalidArgumentError(f"{where}: the checkpoint has no 'stage' and 'backup' state")
+        if bool(state["backup"]) != (self.backup is not None):
+            raise InvalidArgumentError(
+                f"{where}: the checkpoint's backup setting differs from this strategy's"
+            )
+        self.stage.load_state_dict(state["stage"])
+        if self.backup is not None:
+            self.backup.load_state_dict(state["backup"])
+
+    def close(self) -> None:
+        self.stage.remove_hooks()
+        self.executor.close()
+
+
+@register_strategy(
+    "slimgc",
+    "SlimGC: compression with a measured communication threshold, asynchronous compression, model backup",
+)
+def slimgc(
+    model: nn.Module,
+    make_optimizer: OptimizerFactory,
+    group: Group,
+    *,
+    compressor: str = "onebit:threshold=0.5",
+    reducer: str = "ps",
+    comm_threshold: str | int | float = "auto",
+    pre_steps: int = 10,
+    offload: bool = True,
+    backup: bool = True,
+    local_lr: float | None = None,
+    fuse_mb: float = 1.0,
+    memory: str = "residual",
+    seed: int = 0,
+) -> SlimGCStrategy:
+    return SlimGCStrategy(
+        model,
+        make_optimizer,
+        group,
+        compressor=compressor,
+        reducer=reducer,
+        comm_threshold=comm_threshold,
+        pre_steps=pre_steps,
+        offload=offload,
+        backup=backup,
+        local_lr=local_lr,
+        fuse_mb=fuse_mb,
+        memory=memory,
+        seed=seed,
+    )
