@@ -22,7 +22,12 @@ from lowband.testing import run_processes
 
 RESUME_AT, STEPS = 7, 12
 # options that make each strategy communicate (and change its state) before RESUME_AT
-OPTIONS = {"powersgd": "start_iter=3,rank=1", "localsgd": "period=3"}
+OPTIONS = {
+    "powersgd": "start_iter=3,rank=1",
+    "localsgd": "period=3",
+    # the threshold decided (from timings) before RESUME_AT: the resumed run loads it
+    "slimgc": "compressor=fp16,reducer=allreduce,pre_steps=4",
+}
 # the window puts of win-put land whenever the network delivers them and are combined as they are:
 # two uninterrupted runs differ already, so a resumed run can only be checked for loading and running on
 NOT_BIT_EXACT = {"winput": "asynchronous puts: the combined values depend on arrival times"}
