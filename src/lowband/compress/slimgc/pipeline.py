@@ -24,11 +24,14 @@ the minimum over ranks, which removes the wait for the last rank to arrive; comp
 maximum, the slowest rank delays the collective), the table is built from them on every rank, and rank
 0's BestCT is broadcast (Algorithm 2, line 2).
 
-What a communication time measures: from the launch of the unit's collective (after compression) to the
-return of a blocking wait on it, on the thread that launched it, with no other unit in flight. It
-includes the transport's decoding of what it received (it runs when the op completes), the waiting
-thread's wake-up, and arrival skew (partly removed by the minimum over ranks); backward computation
-runs concurrently on the training thread, as it does in training.
+What is measured, per warm-up unit, on the thread that reduces it, with no other unit in flight: the
+wall time from the start of the reduction to the return of a blocking wait on it (a transport with
+phases, such as the parameter servers' all-to-all then allgather, included whole); of it, the seconds
+the compressed reducer itself counts in compression (error feedback, encoding, the local decode the
+memory needs) and decompression (of what it received) are ``t_pq``, the rest is the communication time
+(``t_cq``, or ``t_c`` for a full-precision step). The communication time includes the waiting thread's
+wake-up and arrival skew (the wait for the last rank to launch; partly removed by the minimum over
+ranks); backward computation runs concurrently on the training thread, as it does in training.
 """
 
 from __future__ import annotations
@@ -200,22 +203,25 @@ class SlimGCReducer(Reducer):
     def _probe(self, rnd: _Round, i: int, bufs: list[Tensor], ctx: ReduceContext) -> None:
         """A warm-up unit: sent alone and waited for, timed (see the module docstring)."""
         unit, step = self.units[i], rnd.step
-        t0 = time.perf_counter()
+        timings = self.inner.timings
         if compressed_step(step):
+            before = timings.compress_s + timings.decompress_s
+            t0 = time.perf_counter()
             h: Handle[Any] = self.inner.reduce(unit, bufs, ReduceContext(ctx.group, step))
-            t1 = time.perf_counter()
             rnd.results[i] = h.wait()
+            total = time.perf_counter() - t0
+            coding = timings.compress_s + timings.decompress_s - before
         else:
             flat = self._full_precision(unit, bufs)
-            t0 = t1 = time.perf_counter()
+            t0 = time.perf_counter()
             h = igrouped_allreduce(
                 [flat], "average", inplace=True, name=f"slimgc-fp:{unit.key}", group=ctx.group
             )
             unflatten_into(h.wait()[0], bufs)
             rnd.results[i] = bufs
-        t2 = time.perf_counter()
+            total, coding = time.perf_counter() - t0, 0.0
         assert self.samples is not None
-        self.samples.add(step, i, t2 - t1, t1 - t0)
+        self.samples.add(step, i, total - coding, coding)
 
     def _decide(self, group: Group) -> None:
         """BestCT from every rank's samples, the same on every rank (see the module docstring)."""
@@ -238,7 +244,7 @@ class SlimGCReducer(Reducer):
     # -- reports and state ---------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "best_ct_bytes": self.threshold,
+            "best_ct_bytes": _json_number(self.threshold),
             "compressed_units": sum(self.mask),
             "full_precision_units": len(self.mask) - sum(self.mask) if self.mask else None,
             "wait_s": self.wait_s,
@@ -247,7 +253,7 @@ class SlimGCReducer(Reducer):
             "decompress_s": self.inner.timings.decompress_s,
         }
         if self.table is not None:
-            out["threshold_table"] = self.table.report()
+            out["threshold_table"] = [{k: _json_number(v) for k, v in r.items()} for r in self.table.report()]
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -280,3 +286,8 @@ class SlimGCReducer(Reducer):
 
     def __repr__(self) -> str:
         return f"SlimGCReducer({self.inner!r}, threshold={self.threshold})"
+
+
+def _json_number(x: float | None) -> float | str | None:
+    """A number for a JSON report: infinity as the string ``"inf"`` (JSON has no infinity)."""
+    return "inf" if x is not None and math.isinf(x) else x
