@@ -23,7 +23,7 @@ from lowband.compress.slimgc import Executor, ExecutorError, Samples, build_tabl
 from lowband.errors import CommTimeoutError, InvalidArgumentError
 from lowband.strategies import make_strategy
 from lowband.strategies.slimgc import SlimGCStrategy
-from lowband.testing import run_threads
+from lowband.testing import RankFailures, run_threads
 
 LR = 0.1
 GRID = 256.0
@@ -95,14 +95,15 @@ def _run(opts: dict[str, Any], steps: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize("warmup", [False, True])
-def test_threshold_decision_against_oracle(n: int, warmup: bool) -> None:
+@pytest.mark.parametrize("transport", ["allreduce", "ps"])
+def test_threshold_decision_against_oracle(n: int, warmup: bool, transport: str) -> None:
     """Fixed threshold: the weights compressed, the biases in full precision. Warm-up (all 5 steps of
     it): every unit compressed on odd steps and in full precision on even ones, its memory sent along."""
     steps = 5
     threshold: dict[str, Any] = (
         {"comm_threshold": "auto", "pre_steps": 6} if warmup else {"comm_threshold": THRESHOLD}
     )
-    opts = {"compressor": "test-grid", "reducer": "allreduce", "backup": False, **threshold}
+    opts = {"compressor": "test-grid", "reducer": transport, "backup": False, **threshold}
     res = run_threads(_run, n, opts, steps, timeout=90)
     m = _model()
     x = [p.detach().clone() for p in m.parameters()]
@@ -193,8 +194,9 @@ def test_bestct_agreed_when_ranks_measure_differently(n: int) -> None:
         {"comm_threshold": "auto", "pre_steps": 8, "backup": True},  # the warm-up (probes, both kinds)
     ],
 )
-def test_offload_is_bit_identical_to_inline(n: int, extra: dict[str, Any]) -> None:
-    base = {"compressor": "fp16", "reducer": "allreduce", **extra}
+@pytest.mark.parametrize("transport", ["allreduce", "ps"])
+def test_offload_is_bit_identical_to_inline(n: int, extra: dict[str, Any], transport: str) -> None:
+    base = {"compressor": "fp16", "reducer": transport, **extra}
     inline = run_threads(_run, n, {**base, "offload": False}, 6, timeout=90)
     offload = run_threads(_run, n, {**base, "offload": True}, 6, timeout=90)
     for a, b in zip(inline, offload):
@@ -344,3 +346,26 @@ def test_executor() -> None:
             "order": True, "other_thread": True, "comm": [3.0, 3.0, 3.0], "timeout": True, "error": True,
             "skipped": True, "error_again": True, "inline": True,
         }  # fmt: skip
+
+
+def _dies(offload: bool) -> None:
+    r = lowband.rank()
+    m = _model()
+    s = make_strategy(
+        "slimgc", m, _opt, compressor="fp16", reducer="ps", comm_threshold=THRESHOLD, offload=offload
+    )
+    for k in range(4):
+        if r == 1 and k == 2:
+            raise RuntimeError("rank 1 stops training")
+        s.train_step(lambda mod, k=k: _loss(mod, r, k))
+    s.synchronize()
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_rank_that_stops_fails_the_others_in_bounded_time(offload: bool) -> None:
+    with pytest.raises(RankFailures) as info:
+        run_threads(_dies, 2, offload, timeout=60, comm_timeout=2.0)
+    errors = info.value.errors
+    assert "rank 1 stops training" in errors[1]
+    assert "CommTimeoutError" in errors[0] or "CommFailedError" in errors[0], errors[0]
+    assert "hard timeout" not in errors[0]

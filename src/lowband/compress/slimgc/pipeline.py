@@ -141,7 +141,9 @@ class SlimGCReducer(Reducer):
         if rnd is None:
             raise InvalidArgumentError(f"{type(self).__name__}: no reduction of round {step} was started")
         t0 = time.perf_counter()
-        self.executor.wait_until(lambda: rnd.done, f"the gradient reduction of round {step}")
+        # the worker's own waits are bounded by the timeout each: leave it room to report their error
+        limit = 2 * self.executor.timeout
+        self.executor.wait_until(lambda: rnd.done, f"the gradient reduction of round {step}", limit)
         self.wait_s += time.perf_counter() - t0
         del self._rounds[step]
         return rnd.results
