@@ -120,3 +120,18 @@ def test_backup_is_delayed_gradient_averaging(n: int, threshold: object) -> None
         # every rank holds the same global weights
         for a, b in zip(glob, res[0][1]):
             assert torch.equal(a, b)
+
+
+def test_local_step_follows_the_global_learning_rate_unless_fixed() -> None:
+    from lowband.compress.slimgc import ModelBackup
+
+    for local_lr in (None, 0.5):
+        p = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+        b = ModelBackup([p], lambda ps: torch.optim.SGD(ps, lr=0.1), local_lr=local_lr)
+        b.global_step([torch.tensor([1.0, 1.0], dtype=torch.float64)])  # w = [0.9, 1.9]
+        b.global_optimizer.param_groups[0]["lr"] = 0.2  # a schedule's change
+        p.grad = torch.tensor([1.0, -1.0], dtype=torch.float64)
+        b.local_step()  # p = w - lr_loc * g
+        lr = 0.2 if local_lr is None else local_lr
+        torch.testing.assert_close(p.detach(), torch.tensor([0.9 - lr, 1.9 + lr], dtype=torch.float64))
+        torch.testing.assert_close(b.weights[0].detach(), torch.tensor([0.9, 1.9], dtype=torch.float64))

@@ -13,7 +13,9 @@ its gradient ``g(i)`` on its local weights; then
 
 Both updates are torch optimizers (two instances built by the caller's factory: one on the model's
 parameters, one on the copies), so SGD, momentum or Adam work unchanged and keep their own state;
-``local_lr`` overrides the local optimizer's learning rate (the paper's separate ``loc_lr``). For plain
+``local_lr`` fixes the local optimizer's learning rate (the paper's separate ``loc_lr``); without it the
+local step uses the global optimizer's current learning rate, so an LR schedule on the global optimizer
+drives both. For plain
 SGD with one learning rate this is delayed gradient averaging with delay 1: the local weights follow
 ``x(t+1) = x(t) - lr*g(t) - lr*(G(t-1) - g(t-1))``.
 """
@@ -78,6 +80,9 @@ class ModelBackup:
         (this rank's own gradient)."""
         for p, w in zip(self.params, self.weights):
             p.copy_(w)
+        if self.local_lr is None:  # the global learning rate, as a schedule has set it
+            for lg, gg in zip(self.local_optimizer.param_groups, self.global_optimizer.param_groups):
+                lg["lr"] = gg["lr"]
         self.local_optimizer.step()
 
     def state_dict(self) -> dict[str, Any]:

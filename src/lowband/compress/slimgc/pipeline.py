@@ -273,18 +273,17 @@ class SlimGCReducer(Reducer):
         if self._rounds:
             raise InvalidArgumentError(f"{where}: rounds {sorted(self._rounds)} are in flight")
         self.inner.load_state_dict(dict(state["inner"]))
-        threshold = float(state["threshold"])
-        if self.samples is not None and state["samples"]:
+        if self.samples is None:  # a fixed comm_threshold: this strategy's, not the checkpoint's
+            return
+        if state["samples"]:
             self.samples.load_state_dict(state["samples"])
         self.table = ThresholdTable.from_state_dict(state["table"]) if state["table"] else None
-        if threshold >= 0:
+        threshold = float(state["threshold"])
+        if threshold >= 0:  # decided before the checkpoint: continue with it
             self.set_threshold(threshold)
             self._decision_due = False
-        elif self.samples is None:
-            raise InvalidArgumentError(
-                f"{where}: the checkpoint was taken during the warm-up (comm_threshold=auto), this "
-                "reducer has a fixed comm_threshold"
-            )
+        else:
+            self.threshold, self.mask, self._decision_due = None, [], True
 
     def __repr__(self) -> str:
         return f"SlimGCReducer({self.inner!r}, threshold={self.threshold})"
