@@ -26,7 +26,7 @@ OPTIONS = {
     "powersgd": "start_iter=3,rank=1",
     "localsgd": "period=3",
     # the threshold decided (from timings) before RESUME_AT: the resumed run loads it
-    "slimgc": "compressor=fp16,reducer=allreduce,pre_steps=4",
+    "slimgc": "pre_steps=4",
 }
 # the window puts of win-put land whenever the network delivers them and are combined as they are:
 # two uninterrupted runs differ already, so a resumed run can only be checked for loading and running on

@@ -194,9 +194,13 @@ def test_bestct_agreed_when_ranks_measure_differently(n: int) -> None:
         {"comm_threshold": "auto", "pre_steps": 8, "backup": True},  # the warm-up (probes, both kinds)
     ],
 )
-@pytest.mark.parametrize("transport", ["allreduce", "ps"])
-def test_offload_is_bit_identical_to_inline(n: int, extra: dict[str, Any], transport: str) -> None:
-    base = {"compressor": "fp16", "reducer": transport, **extra}
+@pytest.mark.parametrize(
+    ("compressor", "transport"), [("fp16", "allreduce"), ("fp16", "ps"), ("onebit:threshold=0.5", "ps")]
+)
+def test_offload_is_bit_identical_to_inline(
+    n: int, extra: dict[str, Any], compressor: str, transport: str
+) -> None:
+    base = {"compressor": compressor, "reducer": transport, **extra}
     inline = run_threads(_run, n, {**base, "offload": False}, 6, timeout=90)
     offload = run_threads(_run, n, {**base, "offload": True}, 6, timeout=90)
     for a, b in zip(inline, offload):
@@ -242,6 +246,7 @@ def _resume(
         {"comm_threshold": "auto", "pre_steps": 4, "backup": True, "offload": True, "local_lr": 0.05},
         {"comm_threshold": THRESHOLD, "backup": False, "offload": True},
         {"comm_threshold": 0, "backup": True, "offload": False},
+        {"compressor": "onebit:threshold=0.5", "reducer": "ps", "pre_steps": 4},  # the defaults otherwise
     ],
 )
 def test_resume_is_bit_identical(extra: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lowband.comm.collectives import broadcast
-from lowband.compress.reducer import make_reducer
+from lowband.compress.reducer import Timings, make_reducer
 from lowband.compress.slimgc.backup import ModelBackup
 from lowband.compress.slimgc.executor import Executor
 from lowband.compress.slimgc.pipeline import SlimGCReducer
@@ -31,7 +31,8 @@ from lowband.group import Group
 from lowband.optim.reducer import Unit, parameter_names
 from lowband.optim.stage import GradientStage
 from lowband.runtime import current
-from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.breakdown import StepClock
 from lowband.strategies.registry import register_strategy
 
 
@@ -92,6 +93,8 @@ class SlimGCStrategy(Strategy):
             copy_grads=backup,
         )
         self.stage = GradientStage(units, self.reducer, group=group, where=type(self).__name__)
+        # compression on the training thread: all of it inline, none of it offloaded
+        self.clock = StepClock(self.stage, Timings() if offload else inner.timings)
         self.params = [p for p in parameter_names(model) if p.requires_grad]  # the units' order
         self.backup: ModelBackup | None = None
         if backup:
@@ -103,6 +106,17 @@ class SlimGCStrategy(Strategy):
         super().__init__(model, optimizer, group)
 
     # -- the training step -------------------------------------------------------------------------
+    def train_step(self, loss_fn: LossFn) -> float:
+        self.clock.start(self.steps)
+        try:
+            return super().train_step(loss_fn)
+        finally:
+            self.clock.stop()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        self.clock.backward_done()
+
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
@@ -112,16 +126,21 @@ class SlimGCStrategy(Strategy):
         self.stage.wait()  # every unit handed to the reducer (launched or queued)
         if self.backup is None:
             self.reducer.wait_round(step)  # the averages are in .grad
+            self.clock.wait_done()
             self.optimizer.step()
             return
-        self._global_step()  # w(i) from the previous round, waited for only now
+        self._global_step(mark=True)  # w(i) from the previous round, waited for only now
         self._pending = step
         self.backup.local_step()  # Eq. 8: the next step starts from w(i) - lr * own gradient
 
-    def _global_step(self) -> None:
+    def _global_step(self, *, mark: bool = False) -> None:
         if self._pending is None or self.backup is None:
+            if mark:
+                self.clock.wait_done()
             return
         results = self.reducer.wait_round(self._pending)
+        if mark:
+            self.clock.wait_done()
         self._pending = None
         self.backup.global_step([results[i][0] for i in range(len(self.params))])
 
@@ -150,7 +169,7 @@ class SlimGCStrategy(Strategy):
         return {k: v for k, v in self.options.items() if v is not None}
 
     def report(self) -> dict[str, Any]:
-        return {"slimgc": self.reducer.report()}
+        return {"breakdown": self.clock.report(), "slimgc": self.reducer.report()}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume; completes the reduction in flight (and its global step) first."""
