@@ -258,6 +258,29 @@ def test_resume_is_bit_identical(extra: dict[str, Any]) -> None:
     assert res[0][2] == res[1][2]
 
 
+def _save_at_two() -> bytes:
+    s = make_strategy("slimgc", _model(), _opt, compressor="test-grid", reducer="allreduce", comm_threshold=0)
+    s.train_step(lambda mod: _loss(mod, lowband.rank(), 0))
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    s.close()
+    return buf.getvalue()
+
+
+def _load_at_one(ckpt: bytes) -> str:
+    s = make_strategy("slimgc", _model(), _opt, compressor="test-grid", reducer="allreduce", comm_threshold=0)
+    with pytest.raises(InvalidArgumentError) as info:
+        s.load_state_dict(torch.load(io.BytesIO(ckpt), weights_only=True))
+    s.close()
+    return str(info.value)
+
+
+def test_another_world_size_is_refused() -> None:
+    ckpt = run_threads(_save_at_two, 2, timeout=60)[0]
+    msg = run_threads(_load_at_one, 1, ckpt, timeout=60)[0]
+    assert "taken at 2 ranks" in msg and "has 1" in msg
+
+
 # -- arguments -------------------------------------------------------------------------------------
 
 

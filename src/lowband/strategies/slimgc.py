@@ -178,6 +178,7 @@ class SlimGCStrategy(Strategy):
 
     def extra_state(self) -> dict[str, Any]:
         return {
+            "world_size": self.group.size,
             "stage": self.stage.state_dict(),
             "backup": {} if self.backup is None else self.backup.state_dict(),
         }
@@ -186,6 +187,13 @@ class SlimGCStrategy(Strategy):
         where = f"{type(self).__name__}.load_state_dict"
         if "stage" not in state or "backup" not in state:
             raise InvalidArgumentError(f"{where}: the checkpoint has no 'stage' and 'backup' state")
+        n = state.get("world_size", self.group.size)
+        if n != self.group.size:
+            raise InvalidArgumentError(
+                f"{where} on rank {self.group.rank}: the checkpoint was taken at {n} ranks, this group has "
+                f"{self.group.size}; its per-rank state (error-feedback memories, the backup's local "
+                "weights and optimizer) does not re-shard: resume at the world size it was saved at"
+            )
         if bool(state["backup"]) != (self.backup is not None):
             raise InvalidArgumentError(
                 f"{where}: the checkpoint's backup setting differs from this strategy's"
