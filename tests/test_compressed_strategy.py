@@ -145,3 +145,26 @@ def test_report_breakdown_adds_up_to_the_step(spec: str) -> None:
             )
         else:
             assert b["compression_s"] == [0.0, 0.0, 0.0]
+
+
+def _clock_after_load() -> dict[str, Any]:
+    r = lowband.rank()
+    s = make_strategy("compressed", model(), sgd, compressor="fp16")
+    for k in range(2):
+        s.train_step(lambda m, k=k: loss(m, r, k))
+    ckpt = s.state_dict()
+    t = make_strategy("compressed", model(), sgd, compressor="fp16")
+    t.train_step(lambda m: loss(m, r, 9))
+    t.load_state_dict(ckpt)
+    t.train_step(lambda m: loss(m, r, 2))
+    rep = t.report()["breakdown"]
+    s.close()
+    t.close()
+    return rep
+
+
+def test_breakdown_restarts_at_a_loaded_step() -> None:
+    """The breakdown's values are indexed from ``first_step``: after loading a checkpoint of step 2
+    the record starts again there (the bench matches values to its timed steps by index)."""
+    for rep in run_threads(_clock_after_load, 2, timeout=60):
+        assert rep["first_step"] == 2 and len(rep["compute_s"]) == 1

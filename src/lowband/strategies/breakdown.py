@@ -48,8 +48,8 @@ class StepClock:
         return 0.0 if t is None else t.compress_s + t.decompress_inline_s
 
     def start(self, step: int) -> None:
-        if self.first_step is None or step < self.first_step:
-            self.clear(step)
+        if self.first_step is None or self.first_step + len(self.steps["compute_s"]) != step:
+            self.clear(step)  # the first step, or the step counter moved (a checkpoint was loaded)
         self._mark = {"t0": time.perf_counter(), "r0": self.stage.reduce_s, "c0": self._spent()}
 
     def backward_done(self) -> None:
