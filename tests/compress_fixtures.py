@@ -11,9 +11,10 @@ from torch import nn
 
 import lowband
 from lowband.comm.handle import Handle
-from lowband.compress import CompressContext, CompressedReducer, Compressor, Payload
+from lowband.compress import CompressContext, CompressedReducer, Compressor, Payload, build_reducer
 from lowband.compress.base import check_input
 from lowband.compress.wire import framed, unframe
+from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim import Unit
 
@@ -160,3 +161,22 @@ def oracle(
                 pos += p.numel()
         opt.step()
     return flat(ref)
+
+
+#: options tried, in order, for a registered compressor whose defaults do not build (sparsifiers take
+#: exactly one of ``ratio`` and ``k``): the registries' tests cover them without knowing each one
+TRIAL_OPTIONS = ("", ":ratio=0.25", ":k=4", ":rank=1")
+
+
+def buildable(compressor: str, transport: str) -> tuple[str | None, str]:
+    """``(spec, "")``: the first spec of ``compressor`` (with :data:`TRIAL_OPTIONS`) that ``transport``
+    carries, or ``(None, why)``."""
+    why = ""
+    for opts in TRIAL_OPTIONS:
+        try:
+            build_reducer(compressor + opts, transport)
+        except InvalidArgumentError as exc:
+            why = str(exc)
+            continue
+        return compressor + opts, ""
+    return None, why
