@@ -11,6 +11,7 @@ from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers
 from lowband.strategies import compressed as _compressed  # noqa: F401  (registers "compressed")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
 from lowband.strategies import localsgd as _localsgd  # noqa: F401  (registers "localsgd")
+from lowband.strategies import sketch as _sketch  # noqa: F401  (registers "gs-sgd", "sketched-sgd", "gtopk", "topk-allgather")
 from lowband.strategies import slimgc as _slimgc  # noqa: F401  (registers "slimgc")
 from lowband.strategies import stage as _stage  # noqa: F401  (registers "stage")
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy

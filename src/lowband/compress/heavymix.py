@@ -1,0 +1,91 @@
+"""Recovery of the coordinates to apply from a summed sketch (HEAVYMIX), and the top-k selections the
+sketched and global-top-k reducers share (pure).
+
+HEAVYMIX (from "Communication-efficient distributed SGD with sketching"): with ``est`` the sketch's
+per-coordinate estimates and ``norm_sq`` its estimate of ``||g||^2``, the heavy set is
+``H = {i : est_i^2 >= norm_sq / k}`` (the paper's text lacks the square; the intent, and the sketch's
+guarantee, is about squares). The paper leaves two cases open; lowband fills them from the intent:
+
+- ``|H| > k``: ``H`` is truncated to the ``k`` largest ``|est_i|`` (ties: the smaller index);
+- ``|H| < k``: ``H`` is filled to exactly ``k`` with a uniform random choice from the other coordinates,
+  drawn from a generator seeded by ``(seed, step, unit)``, so every rank (which holds the same summed
+  sketch, bit for bit) chooses the same set with no communication.
+
+The result is always ``min(k, d)`` distinct indices in ascending order. Oversampling (``oversample =
+p > 1``): recover ``ceil(p * k)`` candidates, fetch their exact values, keep the ``k`` largest
+(:func:`keep_largest`).
+
+Ties everywhere (:func:`topk_indices`): larger magnitude first, then the smaller position; so a
+selection is a function of the values alone (``torch.topk``'s order among equal values is not).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowband.errors import InvalidArgumentError
+
+Tensor = torch.Tensor
+
+
+def topk_indices(x: Tensor, k: int) -> Tensor:
+    """Positions of the ``k`` largest ``|x|`` (ties: the smaller position), ascending; all of them
+    when ``k >= x.numel()``."""
+    n = x.numel()
+    if k >= n:
+        return torch.arange(n, dtype=torch.int64, device=x.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.int64, device=x.device)
+    a = x.abs()
+    t = torch.topk(a, k, sorted=False).values.min()
+    above = (a > t).nonzero().view(-1)
+    ties = (a == t).nonzero().view(-1)[: k - above.numel()]
+    return torch.cat([above, ties]).sort().values
+
+
+def heavymix(est: Tensor, norm_sq: float, k: int, generator: torch.Generator) -> Tensor:
+    """HEAVYMIX's ``min(k, d)`` indices (ascending) from the estimates; see the module docstring."""
+    d = est.numel()
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidArgumentError(f"heavymix: k must be an int >= 1, got {k!r}")
+    k = min(k, d)
+    is_heavy = est.double().square() >= norm_sq / k
+    heavy = is_heavy.nonzero().view(-1)
+    if heavy.numel() >= k:
+        return heavy[topk_indices(est[heavy], k)]
+    rest = (~is_heavy).nonzero().view(-1)
+    fill = rest[torch.randperm(rest.numel(), generator=generator)[: k - heavy.numel()]]
+    return torch.cat([heavy, fill]).sort().values
+
+
+def candidates(k: int, oversample: float, d: int) -> int:
+    """How many coordinates to recover before keeping ``k`` (``ceil(oversample * k)``, at most ``d``)."""
+    return min(d, max(k, math.ceil(oversample * k)))
+
+
+def keep_largest(idx: Tensor, values: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` entries of ``(idx, values)`` with the largest ``|values|`` (ties: earlier entry)."""
+    keep = topk_indices(values, k)
+    return idx[keep], values[keep]
+
+
+def local_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``(indices, values)`` of the ``k`` largest ``|x|`` (ascending indices)."""
+    idx = topk_indices(x, k)
+    return idx, x[idx]
+
+
+def merge_topk(
+    ia: Tensor, va: Tensor, ib: Tensor, vb: Tensor, k: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """gTop-k's merge of two sparse vectors: sum them (union of indices), keep the ``k`` entries of
+    largest magnitude (ties: the smaller index). Returns ``(idx, val, dropped_idx, dropped_val)``,
+    indices ascending; the dropped entries are the partial sums the merge did not keep."""
+    u, inv = torch.unique(torch.cat([ia, ib]), return_inverse=True)
+    s = torch.zeros(u.numel(), dtype=va.dtype).index_add_(0, inv, torch.cat([va, vb]))
+    keep = topk_indices(s, k)
+    mask = torch.zeros(u.numel(), dtype=torch.bool)
+    mask[keep] = True
+    return u[mask], s[mask], u[~mask], s[~mask]

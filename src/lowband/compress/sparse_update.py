@@ -1,0 +1,144 @@
+"""What the globally sparse reducers (gs-SGD, Sketched-SGD, gTop-k) share: the number of coordinates
+``k`` of a unit, error feedback per worker, optional worker momentum with Sketched-SGD's masking, and
+writing the sparse update back into the gradients.
+
+Error feedback. Each worker keeps a residual per parameter name (a :class:`ResidualMemory`): the
+gradient is compensated, ``p = g + e``; once the ``k`` coordinates to apply are known (the same on
+every rank) the worker's *contribution* is what of ``p`` went into the applied sum, and the residual
+becomes ``e = p - contribution``. The update written into the gradients is the sum over ranks of the
+contributions divided by ``P``, so, summed over ranks,
+``sum(e after) + P * update = sum(e before) + sum(g)`` (conservation; exact up to rounding).
+
+Momentum. By default there is none here: the wrapped torch optimizer applies its own momentum to the
+sparse update. ``momentum = rho > 0`` keeps Sketched-SGD's worker momentum instead (``u = rho u + g``;
+``p = e + u``; use a torch optimizer without momentum then), and ``masking=True`` zeroes ``u`` at the
+applied coordinates, as Sketched-SGD does so that momentum does not push applied coordinates again.
+
+``k``: ``k`` when given (> 0), else ``ceil(density * numel)`` of each unit; at most the unit's size.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lowband.compress.memory import ResidualMemory, Segments
+from lowband.compress.reducer import Timings, flatten, segments, unflatten_into
+from lowband.errors import InvalidArgumentError
+from lowband.optim.reducer import Reducer, Unit
+
+Tensor = torch.Tensor
+
+
+def check_number(where: str, what: str, v: object, low: float, high: float, *, integer: bool = False) -> None:
+    kinds: tuple[type, ...] = (int,) if integer else (int, float)
+    if isinstance(v, bool) or not isinstance(v, kinds) or not low <= v <= high:
+        kind = "an int" if integer else "a number"
+        raise InvalidArgumentError(f"{where}: {what} must be {kind} in [{low:g}, {high:g}], got {v!r}")
+
+
+@dataclass
+class Step:
+    """One unit's reduction in progress on this rank."""
+
+    segs: Segments
+    grads: list[Tensor]
+    velocity: Tensor | None  # u, with worker momentum
+    p: Tensor  # the compensated gradient
+    k: int
+
+
+class SparseUpdateReducer(Reducer):
+    """The shared part of the gs-SGD, Sketched-SGD and gTop-k reducers; see the module docstring."""
+
+    name = "sparse"
+
+    def __init__(
+        self, *, density: float, k: int, momentum: float = 0.0, masking: bool = False, seed: int = 0
+    ) -> None:
+        where = type(self).__name__
+        check_number(where, "density", density, 0.0, 1.0)
+        check_number(where, "k", k, 0, 2**62, integer=True)
+        if k == 0 and density <= 0:
+            raise InvalidArgumentError(f"{where}: give density in (0, 1] or k >= 1")
+        check_number(where, "momentum", momentum, 0.0, 1.0)
+        if not isinstance(masking, bool):
+            raise InvalidArgumentError(f"{where}: masking must be a bool, got {masking!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidArgumentError(f"{where}: seed must be an int, got {seed!r}")
+        self.density, self.k, self.momentum, self.masking, self.seed = float(density), k, momentum, masking, seed
+        self.memory = ResidualMemory()
+        self.velocity = ResidualMemory(beta=momentum) if momentum > 0 else None
+        self.timings = Timings()
+
+    def k_for(self, numel: int) -> int:
+        """The number of coordinates applied for a unit of ``numel`` elements."""
+        k = self.k if self.k > 0 else math.ceil(self.density * numel)
+        return max(1, min(k, numel)) if numel else 0
+
+    def unit_seed(self, key: str) -> int:
+        """A seed for the unit's hashes, from the reducer's seed and the unit's key."""
+        return zlib.crc32(f"{self.seed}/{key}".encode()) | (self.seed & 0xFFFFFFFF) << 32
+
+    def begin(self, unit: Unit, grads: list[Tensor]) -> Step:
+        """Flatten, add worker momentum and the residual."""
+        with torch.no_grad():
+            flat = flatten(grads)
+            segs = segments(unit, grads)
+            u = self.velocity.compensate(segs, flat) if self.velocity is not None else None
+            p = self.memory.compensate(segs, flat if u is None else u)
+        return Step(segs, grads, u, p, self.k_for(flat.numel()))
+
+    def apply(self, st: Step, idx: Tensor, contribution: Tensor, summed: Tensor, size: int) -> list[Tensor]:
+        """Residual ``p - contribution``; gradients ``summed / size`` at ``idx``, zero elsewhere."""
+        with torch.no_grad():
+            self.memory.update(st.segs, st.p, contribution)
+            if self.velocity is not None and st.velocity is not None:
+                kept = torch.zeros_like(st.velocity)
+                if self.masking:
+                    kept[idx] = st.velocity[idx]
+                self.velocity.update(st.segs, st.velocity, kept)
+            out = torch.zeros_like(st.p)
+            out[idx] = summed / size if size > 1 else summed
+        return unflatten_into(out, st.grads)
+
+    @staticmethod
+    def masked(p: Tensor, idx: Tensor) -> Tensor:
+        """``p`` at ``idx``, zero elsewhere (a worker's contribution when it sends its exact values)."""
+        out = torch.zeros_like(p)
+        out[idx] = p[idx]
+        return out
+
+    def options(self) -> dict[str, Any]:
+        return {"density": self.density, "k": self.k, "momentum": self.momentum, "masking": self.masking}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "memory": self.memory.state_dict(),
+            "velocity": None if self.velocity is None else self.velocity.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, Mapping) or "memory" not in state:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.load_state_dict: expects a dict with 'memory', got "
+                f"{sorted(state) if isinstance(state, Mapping) else type(state).__name__}"
+            )
+        if (state.get("velocity") is None) != (self.velocity is None):
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.load_state_dict: the checkpoint was taken with momentum "
+                f"{'off' if state.get('velocity') is None else 'on'}, this reducer has it "
+                f"{'off' if self.velocity is None else 'on'}"
+            )
+        self.memory.load_state_dict(state["memory"])
+        if self.velocity is not None:
+            self.velocity.load_state_dict(state["velocity"])
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"

@@ -1,0 +1,147 @@
+"""Globally sparse training strategies on the gradient stage: ``gs-sgd`` (global CountSketch over the
+halving/doubling tree), and its baselines ``sketched-sgd`` (sketches summed on rank 0), ``gtopk`` (global
+top-k by merging pairs up the tree) and ``topk-allgather`` (every rank's top-k pairs allgathered: the
+compression framework's allgather transport with its top-k compressor). Momentum stays with the
+wrapped torch optimizer unless a strategy's ``momentum`` option moves it into the workers (Sketched-SGD).
+
+Each is the reducer on :class:`~lowband.strategies.stage.StageStrategy` (buckets of ``bucket_mb``, as
+DDP fuses them; ``k`` or ``density`` applies per bucket); residuals and worker momentum are in the
+checkpoint (``extra_state``), with the stage's reduction counter that seeds HEAVYMIX's random fill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lowband.compress.gssgd import GsSGDReducer, GTopKReducer, SketchedSGDReducer
+from lowband.compress.reducer import make_reducer
+from lowband.group import Group
+from lowband.optim.reducer import Reducer
+from lowband.strategies.base import OptimizerFactory
+from lowband.strategies.registry import register_strategy
+from lowband.strategies.stage import StageStrategy
+
+
+class SparseStageStrategy(StageStrategy):
+    """A globally sparse reducer on the gradient stage, named after its scheme."""
+
+    def __init__(
+        self,
+        name: str,
+        model: nn.Module,
+        make_optimizer: OptimizerFactory,
+        group: Group,
+        reducer: Reducer,
+        *,
+        bucket_mb: float,
+        first_bucket_mb: float,
+    ) -> None:
+        self.name = name
+        super().__init__(
+            model, make_optimizer, group, reducer, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
+        )
+
+    def hparams(self) -> dict[str, Any]:
+        opts = getattr(self.stage.reducer, "options", None)
+        return {**super().hparams(), **(opts() if callable(opts) else {})}
+
+    def report(self) -> dict[str, Any]:
+        t = getattr(self.stage.reducer, "timings", None)
+        if t is None:
+            return {}
+        return {"compress_s": t.compress_s, "decompress_s": t.decompress_s, "units": t.units}
+
+
+@register_strategy("gs-sgd", "gs-SGD: CountSketches summed over a halving/doubling tree, HEAVYMIX, exact top-k")
+def gs_sgd(
+    model: nn.Module,
+    make_optimizer: OptimizerFactory,
+    group: Group,
+    *,
+    rows: int = 5,
+    cols: int = 0,
+    density: float = 0.01,
+    k: int = 0,
+    recovery: str = "heavymix",
+    oversample: float = 1.0,
+    reduce: str = "tree",
+    momentum: float = 0.0,
+    masking: bool = False,
+    seed: int = 0,
+    bucket_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> SparseStageStrategy:
+    r = GsSGDReducer(
+        rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
+        reduce=reduce, momentum=momentum, masking=masking, seed=seed,
+    )  # fmt: skip
+    return SparseStageStrategy(
+        "gs-sgd", model, make_optimizer, group, r, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
+    )
+
+
+@register_strategy("sketched-sgd", "Sketched-SGD: CountSketches summed on rank 0, indices broadcast")
+def sketched_sgd(
+    model: nn.Module,
+    make_optimizer: OptimizerFactory,
+    group: Group,
+    *,
+    rows: int = 5,
+    cols: int = 0,
+    density: float = 0.01,
+    k: int = 0,
+    recovery: str = "heavymix",
+    oversample: float = 1.0,
+    momentum: float = 0.0,
+    masking: bool = False,
+    seed: int = 0,
+    bucket_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> SparseStageStrategy:
+    r = SketchedSGDReducer(
+        rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
+        momentum=momentum, masking=masking, seed=seed,
+    )  # fmt: skip
+    return SparseStageStrategy(
+        "sketched-sgd", model, make_optimizer, group, r, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
+    )
+
+
+@register_strategy("gtopk", "gTop-k S-SGD: global top-k by merging (index, value) pairs up a tree, any P")
+def gtopk(
+    model: nn.Module,
+    make_optimizer: OptimizerFactory,
+    group: Group,
+    *,
+    density: float = 0.01,
+    k: int = 0,
+    feedback: str = "exact",
+    momentum: float = 0.0,
+    masking: bool = False,
+    seed: int = 0,
+    bucket_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> SparseStageStrategy:
+    r = GTopKReducer(density=density, k=k, feedback=feedback, momentum=momentum, masking=masking, seed=seed)
+    return SparseStageStrategy(
+        "gtopk", model, make_optimizer, group, r, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
+    )
+
+
+@register_strategy("topk-allgather", "top-k S-SGD: every rank's top-k pairs allgathered, error feedback")
+def topk_allgather(
+    model: nn.Module,
+    make_optimizer: OptimizerFactory,
+    group: Group,
+    *,
+    density: float = 0.01,
+    seed: int = 0,
+    bucket_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> SparseStageStrategy:
+    r = make_reducer("allgather", f"topk:ratio={density}", "residual", seed=seed)
+    return SparseStageStrategy(
+        "topk-allgather", model, make_optimizer, group, r, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
+    )
