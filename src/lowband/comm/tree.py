@@ -43,7 +43,7 @@ def _next_tag(ctx: Context, g: Group) -> int:
     seqs: dict[int, tuple[object, int]] = ctx.state.setdefault(_STATE_KEY, {})
     _, seq = seqs.get(id(g.pg), (g.pg, 0))
     seqs[id(g.pg)] = (g.pg, seq + 1)
-    return _TAG_BASE + seq % _TAG_SPAN
+    return int(_TAG_BASE + seq % _TAG_SPAN)
 
 
 def add(mine: list[Tensor], received: list[Tensor], src: int) -> list[Tensor]:

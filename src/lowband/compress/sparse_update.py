@@ -37,7 +37,7 @@ Tensor = torch.Tensor
 
 def check_number(where: str, what: str, v: object, low: float, high: float, *, integer: bool = False) -> None:
     kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    if isinstance(v, bool) or not isinstance(v, kinds) or not low <= v <= high:
+    if isinstance(v, bool) or not isinstance(v, kinds) or not low <= float(v) <= high:  # type: ignore[arg-type]
         kind = "an int" if integer else "a number"
         raise InvalidArgumentError(f"{where}: {what} must be {kind} in [{low:g}, {high:g}], got {v!r}")
 
@@ -46,6 +46,7 @@ def check_number(where: str, what: str, v: object, low: float, high: float, *, i
 class Step:
     """One unit's reduction in progress on this rank."""
 
+    key: str
     segs: Segments
     grads: list[Tensor]
     velocity: Tensor | None  # u, with worker momentum
@@ -75,6 +76,8 @@ class SparseUpdateReducer(Reducer):
         self.memory = ResidualMemory()
         self.velocity = ResidualMemory(beta=momentum) if momentum > 0 else None
         self.timings = Timings()
+        #: the coordinates applied in each unit's last reduction (ascending), for reports and checks
+        self.last_indices: dict[str, Tensor] = {}
 
     def k_for(self, numel: int) -> int:
         """The number of coordinates applied for a unit of ``numel`` elements."""
@@ -92,10 +95,11 @@ class SparseUpdateReducer(Reducer):
             segs = segments(unit, grads)
             u = self.velocity.compensate(segs, flat) if self.velocity is not None else None
             p = self.memory.compensate(segs, flat if u is None else u)
-        return Step(segs, grads, u, p, self.k_for(flat.numel()))
+        return Step(unit.key, segs, grads, u, p, self.k_for(flat.numel()))
 
     def apply(self, st: Step, idx: Tensor, contribution: Tensor, summed: Tensor, size: int) -> list[Tensor]:
         """Residual ``p - contribution``; gradients ``summed / size`` at ``idx``, zero elsewhere."""
+        self.last_indices[st.key] = idx
         with torch.no_grad():
             self.memory.update(st.segs, st.p, contribution)
             if self.velocity is not None and st.velocity is not None:
