@@ -47,7 +47,9 @@ def _make(kind: str, opts: dict[str, Any]) -> Reducer:
     return cls(**opts)  # type: ignore[no-any-return]
 
 
-def _steps(kind: str, opts: dict[str, Any], steps: int, integer: bool, dtype: torch.dtype) -> list[dict[str, Any]]:
+def _steps(
+    kind: str, opts: dict[str, Any], steps: int, integer: bool, dtype: torch.dtype
+) -> list[dict[str, Any]]:
     r = lowband.rank()
     red = _make(kind, opts)
     group = lowband.world().unchecked()
@@ -58,11 +60,15 @@ def _steps(kind: str, opts: dict[str, Any], steps: int, integer: bool, dtype: to
         g = _flat(grads)
         res = red.reduce(UNIT, [t.clone() for t in grads], ReduceContext(group, step)).wait()
         idx = getattr(red, "last_indices", {}).get(UNIT.key)
-        out.append({"g": g, "before": before, "after": _residual(red).to(dtype), "update": _flat(res), "idx": idx})
+        out.append(
+            {"g": g, "before": before, "after": _residual(red).to(dtype), "update": _flat(res), "idx": idx}
+        )
     return out
 
 
-def _oracle_gs(n: int, opts: dict[str, Any], steps: int, central: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _oracle_gs(
+    n: int, opts: dict[str, Any], steps: int, central: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every step's update and rank 0's residual, rebuilt in one process from every rank's gradients."""
     ref = (SketchedSGDReducer if central else GsSGDReducer)(**opts)
     k = ref.k_for(D)
@@ -124,7 +130,9 @@ CONSERVING = [
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 @pytest.mark.parametrize(("kind", "opts"), CONSERVING)
 def test_error_feedback_conservation(n: int, kind: str, opts: dict[str, Any]) -> None:
-    if kind == "topk-allgather" and ("allgather" not in TRANSPORTS.names() or "topk" not in COMPRESSORS.names()):
+    if kind == "topk-allgather" and (
+        "allgather" not in TRANSPORTS.names() or "topk" not in COMPRESSORS.names()
+    ):
         pytest.skip("the allgather transport and the top-k compressor are not registered")
     res = run_threads(_steps, n, kind, opts, 4, False, torch.float64, timeout=60)
     for step in range(4):
@@ -211,7 +219,7 @@ def _momentum_masking() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def test_momentum_masking() -> None:
-    (idx0, u0, g0), = run_threads(_momentum_masking, 1, timeout=30)
+    ((idx0, u0, g0),) = run_threads(_momentum_masking, 1, timeout=30)
     want = g0.clone()
     want[idx0] = 0
     assert torch.equal(u0, want)

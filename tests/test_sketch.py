@@ -20,7 +20,11 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def test_tables_are_a_function_of_the_seed() -> None:
-    a, b, c = CountSketch(1000, 3, 50, seed=7), CountSketch(1000, 3, 50, seed=7), CountSketch(1000, 3, 50, seed=8)
+    a, b, c = (
+        CountSketch(1000, 3, 50, seed=7),
+        CountSketch(1000, 3, 50, seed=7),
+        CountSketch(1000, 3, 50, seed=8),
+    )
     assert torch.equal(a.buckets, b.buckets) and torch.equal(a.signs, b.signs)
     assert a.checksum() == b.checksum() != c.checksum()
     assert not torch.equal(a.buckets, c.buckets)
@@ -37,7 +41,9 @@ def test_tables_are_a_function_of_the_seed() -> None:
     seed=st.integers(0, 2**40),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
 )
-def test_linear_exactly_on_integer_inputs(d: int, rows: int, cols: int, seed: int, dtype: torch.dtype) -> None:
+def test_linear_exactly_on_integer_inputs(
+    d: int, rows: int, cols: int, seed: int, dtype: torch.dtype
+) -> None:
     sk = CountSketch(d, rows, cols, seed=seed)
     g = _gen(seed % 1000)
     a = torch.randint(-4, 5, (d,), generator=g).to(dtype)
@@ -49,7 +55,9 @@ def test_linear_exactly_on_integer_inputs(d: int, rows: int, cols: int, seed: in
     dense = torch.zeros(rows, cols, d, dtype=torch.float64)
     for j in range(rows):
         dense[j, sk.buckets[j].long(), torch.arange(d)] = sk.signs[j].double()
-    assert torch.equal(sa.double(), (dense @ a.double()) if d else torch.zeros(rows, cols, dtype=torch.float64))
+    assert torch.equal(
+        sa.double(), (dense @ a.double()) if d else torch.zeros(rows, cols, dtype=torch.float64)
+    )
 
 
 def test_single_row_estimate_is_unbiased() -> None:
@@ -135,7 +143,9 @@ def test_topk_indices_ties_by_smaller_index(vals: list[int], k: int) -> None:
 
 
 def test_candidates_and_keep_largest() -> None:
-    assert candidates(10, 1.0, 100) == 10 and candidates(10, 2.5, 100) == 25 and candidates(10, 20.0, 100) == 100
+    assert (
+        candidates(10, 1.0, 100) == 10 and candidates(10, 2.5, 100) == 25 and candidates(10, 20.0, 100) == 100
+    )
     i, v = keep_largest(torch.tensor([3, 5, 9]), torch.tensor([1.0, -4.0, 2.0]), 2)
     assert i.tolist() == [5, 9] and v.tolist() == [-4.0, 2.0]
 

@@ -63,7 +63,14 @@ class _Run:
         tag: int,
         name: str | None,
     ) -> None:
-        self.ch, self.steps, self.state, self.combine, self.tag, self.name = ch, steps, state, combine, tag, name
+        self.ch, self.steps, self.state, self.combine, self.tag, self.name = (
+            ch,
+            steps,
+            state,
+            combine,
+            tag,
+            name,
+        )
 
     def post(self, i: int) -> Handle[None]:
         kind, pairs = self.steps[i]

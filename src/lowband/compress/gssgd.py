@@ -166,7 +166,9 @@ class GsSGDReducer(_SketchingReducer):
             h = iallreduce(table, "sum", inplace=True, name=unit.key, group=g)
         return h.map(lambda summed: self._second_round(st, sk, summed, unit, ctx))
 
-    def _second_round(self, st: Step, sk: CountSketch, summed: Tensor, unit: Unit, ctx: ReduceContext) -> list[Tensor]:
+    def _second_round(
+        self, st: Step, sk: CountSketch, summed: Tensor, unit: Unit, ctx: ReduceContext
+    ) -> list[Tensor]:
         t0 = time.perf_counter()
         m = candidates(st.k, self.oversample, st.p.numel())
         idx = self.recover(sk, summed, m, unit, ctx.step)
@@ -214,7 +216,9 @@ class SketchedSGDReducer(_SketchingReducer):
         h = itree([table], star_schedule(g.size), broadcast=False, name=unit.key, group=g)
         return h.map(lambda t: self._central(st, sk, t[0], unit, ctx))
 
-    def _central(self, st: Step, sk: CountSketch, summed: Tensor, unit: Unit, ctx: ReduceContext) -> list[Tensor]:
+    def _central(
+        self, st: Step, sk: CountSketch, summed: Tensor, unit: Unit, ctx: ReduceContext
+    ) -> list[Tensor]:
         g = ctx.group
         m = candidates(st.k, self.oversample, st.p.numel())
         if g.rank == 0:

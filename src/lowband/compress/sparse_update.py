@@ -72,7 +72,13 @@ class SparseUpdateReducer(Reducer):
             raise InvalidArgumentError(f"{where}: masking must be a bool, got {masking!r}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidArgumentError(f"{where}: seed must be an int, got {seed!r}")
-        self.density, self.k, self.momentum, self.masking, self.seed = float(density), k, momentum, masking, seed
+        self.density, self.k, self.momentum, self.masking, self.seed = (
+            float(density),
+            k,
+            momentum,
+            masking,
+            seed,
+        )
         self.memory = ResidualMemory()
         self.velocity = ResidualMemory(beta=momentum) if momentum > 0 else None
         self.timings = Timings()

@@ -76,6 +76,4 @@ def star_schedule(size: int, root: int = 0) -> TreeSchedule:
     others = [r for r in range(size) if r != root]
     if not others:
         return TreeSchedule(size, (), (), root)
-    return TreeSchedule(
-        size, (tuple((r, root) for r in others),), (tuple((root, r) for r in others),), root
-    )
+    return TreeSchedule(size, (tuple((r, root) for r in others),), (tuple((root, r) for r in others),), root)

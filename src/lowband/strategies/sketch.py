@@ -54,7 +54,9 @@ class SparseStageStrategy(StageStrategy):
         return {"compress_s": t.compress_s, "decompress_s": t.decompress_s, "units": t.units}
 
 
-@register_strategy("gs-sgd", "gs-SGD: CountSketches summed over a halving/doubling tree, HEAVYMIX, exact top-k")
+@register_strategy(
+    "gs-sgd", "gs-SGD: CountSketches summed over a halving/doubling tree, HEAVYMIX, exact top-k"
+)
 def gs_sgd(
     model: nn.Module,
     make_optimizer: OptimizerFactory,
@@ -143,5 +145,11 @@ def topk_allgather(
 ) -> SparseStageStrategy:
     r = make_reducer("allgather", f"topk:ratio={density}", "residual", seed=seed)
     return SparseStageStrategy(
-        "topk-allgather", model, make_optimizer, group, r, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
+        "topk-allgather",
+        model,
+        make_optimizer,
+        group,
+        r,
+        bucket_mb=bucket_mb,
+        first_bucket_mb=first_bucket_mb,
     )
