@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
+from oracle import data
 
 import lowband
 from lowband.comm.tree import itree
 from lowband.compress.tree import TreeSchedule, star_schedule, tree_schedule
 from lowband.errors import InvalidArgumentError
 from lowband.testing import RankFailures, run_threads
-from oracle import data
 
 
 def _log2(p: int) -> int:
