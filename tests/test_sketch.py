@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lowband.compress.heavymix import candidates, heavymix, keep_largest, merge_topk, topk_indices
-from lowband.compress.sketch import CountSketch
+from lowband.compress.sketch import CountSketch, lower_median
 from lowband.errors import InvalidArgumentError
 
 
@@ -58,6 +58,16 @@ def test_linear_exactly_on_integer_inputs(
     assert torch.equal(
         sa.double(), (dense @ a.double()) if d else torch.zeros(rows, cols, dtype=torch.float64)
     )
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 12), n=st.integers(0, 50), seed=st.integers(0, 1000))
+def test_lower_median_is_torch_median(rows: int, n: int, seed: int) -> None:
+    x = torch.randint(-3, 4, (rows, n), generator=_gen(seed)).float()
+    assert torch.equal(lower_median(list(x)), x.median(dim=0).values)
+    sk = CountSketch(n, rows, 4, seed=seed)
+    t = sk.sketch(x[0])
+    assert torch.equal(sk.estimate(t), sk.row_estimates(t).median(dim=0).values)
 
 
 def test_single_row_estimate_is_unbiased() -> None:
