@@ -28,7 +28,8 @@ residual at the global indices; what was dropped on the way is lost).
 Defaults the papers leave open: 5 rows; ``cols=0`` means ``10 k`` columns (Sketched-SGD's published
 runs), at most ``ceil(numel / rows)`` so a sketch is never larger than the gradient; the hash tables of a
 unit are seeded from ``(seed, unit)`` and their checksum is agreed across ranks (:func:`lowband.agree`)
-the first time the unit is reduced. Later rounds run in ``wait()`` (see :func:`lowband.comm.tree.itree`).
+when the strategy is built (:meth:`SketchingReducer.prepare`; else the first time the unit is reduced).
+Later rounds run in ``wait()`` (see :func:`lowband.comm.tree.itree`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _choice(where: str, what: str, v: object, allowed: tuple[str, ...]) -> str:
     return str(v)
 
 
-class _SketchingReducer(SparseUpdateReducer):
+class SketchingReducer(SparseUpdateReducer):
     """Sketch tables per unit (agreed once) and recovery; shared by gs-SGD and Sketched-SGD."""
 
     def __init__(
@@ -94,6 +95,11 @@ class _SketchingReducer(SparseUpdateReducer):
         if self.cols > 0:
             return self.cols
         return max(1, min(10 * self.k_for(numel), -(-numel // self.rows)))
+
+    def prepare(self, units: list[Unit], group: Group) -> None:
+        """Build (and agree on) every unit's tables now rather than at the unit's first reduction."""
+        for u in units:
+            self.sketch_for(u, sum(p.numel() for p in u.params), group)
 
     def sketch_for(self, unit: Unit, numel: int, group: Group) -> CountSketch:
         sk = self._sketches.get(unit.key)
@@ -127,7 +133,7 @@ class _SketchingReducer(SparseUpdateReducer):
         }
 
 
-class GsSGDReducer(_SketchingReducer):
+class GsSGDReducer(SketchingReducer):
     """gs-SGD; see the module docstring. ``reduce``: ``"tree"`` (the paper's) or ``"allreduce"``."""
 
     name = "gs-sgd"
@@ -182,7 +188,7 @@ class GsSGDReducer(_SketchingReducer):
         return {**super().options(), "reduce": self.reduce_by}
 
 
-class SketchedSGDReducer(_SketchingReducer):
+class SketchedSGDReducer(SketchingReducer):
     """Sketched-SGD with its central aggregation on rank 0; see the module docstring."""
 
     name = "sketched-sgd"

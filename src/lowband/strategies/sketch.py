@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from lowband.compress.gssgd import GsSGDReducer, GTopKReducer, SketchedSGDReducer
+from lowband.compress.gssgd import GsSGDReducer, GTopKReducer, SketchedSGDReducer, SketchingReducer
 from lowband.compress.reducer import make_reducer
 from lowband.group import Group
 from lowband.optim.reducer import Reducer
@@ -42,6 +42,8 @@ class SparseStageStrategy(StageStrategy):
         super().__init__(
             model, make_optimizer, group, reducer, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
         )
+        if isinstance(reducer, SketchingReducer):  # hash tables built and agreed on now
+            reducer.prepare(self.stage.units, group.unchecked())
 
     def hparams(self) -> dict[str, Any]:
         opts = getattr(self.stage.reducer, "options", None)
