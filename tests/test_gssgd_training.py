@@ -139,4 +139,5 @@ def _report() -> tuple[dict[str, Any], dict[str, Any], int]:
 def test_hparams_and_report() -> None:
     hp, rep, units = run_threads(_report, 2, timeout=30)[0]
     assert hp["density"] == 0.1 and hp["reduce"] == "tree" and hp["rows"] == 5
-    assert units > 1 and rep["units"] == units and rep["compress_s"] > 0
+    assert units > 1 and rep["timings"]["units"] == units and rep["timings"]["compress_s"] > 0
+    assert rep["breakdown"]["compression_s"][0] > 0  # the stage's step breakdown sees the reducer's time

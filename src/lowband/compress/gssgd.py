@@ -178,7 +178,7 @@ class GsSGDReducer(SketchingReducer):
         t0 = time.perf_counter()
         m = candidates(st.k, self.oversample, st.p.numel())
         idx = self.recover(sk, summed, m, unit, ctx.step)
-        self.timings.decompress_s += time.perf_counter() - t0
+        self.add_decode(time.perf_counter() - t0)
         vals = iallreduce(st.p[idx], "sum", inplace=True, name=unit.key, group=ctx.group).wait()
         if m > st.k:
             idx, vals = keep_largest(idx, vals, st.k)
@@ -230,7 +230,7 @@ class SketchedSGDReducer(SketchingReducer):
         if g.rank == 0:
             t0 = time.perf_counter()
             idx = self.recover(sk, summed, m, unit, ctx.step)
-            self.timings.decompress_s += time.perf_counter() - t0
+            self.add_decode(time.perf_counter() - t0)
         else:
             idx = torch.empty(m, dtype=torch.int64)
         idx = ibroadcast(idx, 0, inplace=True, name=unit.key, group=g).wait()
@@ -268,8 +268,10 @@ class GTopKReducer(SparseUpdateReducer):
         dropped: list[tuple[Tensor, Tensor]] = []
 
         def combine(mine: list[Tensor], got: list[Tensor], src: int) -> list[Tensor]:
+            t1 = time.perf_counter()
             ki, kv, di, dv = merge_topk(mine[0], mine[1], got[0], got[1], st.k)
             dropped.append((di, dv))
+            self.add_decode(time.perf_counter() - t1)
             return [ki, kv]
 
         h = itree([idx, val], tree_schedule(g.size), combine, name=unit.key, group=g)

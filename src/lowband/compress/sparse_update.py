@@ -20,6 +20,7 @@ applied coordinates, as Sketched-SGD does so that momentum does not push applied
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -103,8 +104,14 @@ class SparseUpdateReducer(Reducer):
             p = self.memory.compensate(segs, flat if u is None else u)
         return Step(unit.key, segs, grads, u, p, self.k_for(flat.numel()))
 
+    def add_decode(self, seconds: float) -> None:
+        """Count recovery time: it runs where the handle is waited (the training thread for the stage)."""
+        self.timings.decompress_s += seconds
+        self.timings.decompress_inline_s += seconds
+
     def apply(self, st: Step, idx: Tensor, contribution: Tensor, summed: Tensor, size: int) -> list[Tensor]:
         """Residual ``p - contribution``; gradients ``summed / size`` at ``idx``, zero elsewhere."""
+        t0 = time.perf_counter()
         self.last_indices[st.key] = idx
         with torch.no_grad():
             self.memory.update(st.segs, st.p, contribution)
@@ -115,7 +122,9 @@ class SparseUpdateReducer(Reducer):
                 self.velocity.update(st.segs, st.velocity, kept)
             out = torch.zeros_like(st.p)
             out[idx] = summed / size if size > 1 else summed
-        return unflatten_into(out, st.grads)
+            res = unflatten_into(out, st.grads)
+        self.timings.compress_s += time.perf_counter() - t0
+        return res
 
     @staticmethod
     def masked(p: Tensor, idx: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 
 from lowband.compress.gssgd import GsSGDReducer, GTopKReducer, SketchedSGDReducer, SketchingReducer
 from lowband.compress.reducer import make_reducer
+from lowband.compress.sparse_update import SparseUpdateReducer
 from lowband.group import Group
 from lowband.optim.reducer import Reducer
 from lowband.strategies.base import OptimizerFactory
@@ -44,16 +45,19 @@ class SparseStageStrategy(StageStrategy):
         )
         if isinstance(reducer, SketchingReducer):  # hash tables built and agreed on now
             reducer.prepare(self.stage.units, group.unchecked())
+        if isinstance(reducer, SparseUpdateReducer):  # its compression time, in the step breakdown
+            self.clock.timings = reducer.timings
 
     def hparams(self) -> dict[str, Any]:
         opts = getattr(self.stage.reducer, "options", None)
         return {**super().hparams(), **(opts() if callable(opts) else {})}
 
     def report(self) -> dict[str, Any]:
+        out = super().report()
         t = getattr(self.stage.reducer, "timings", None)
-        if t is None:
-            return {}
-        return {"compress_s": t.compress_s, "decompress_s": t.decompress_s, "units": t.units}
+        if t is not None:
+            out["timings"] = {"compress_s": t.compress_s, "decompress_s": t.decompress_s, "units": t.units}
+        return out
 
 
 @register_strategy(
