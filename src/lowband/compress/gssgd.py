@@ -47,7 +47,7 @@ from lowband.comm.tree import itree
 from lowband.compress.base import CompressContext
 from lowband.compress.heavymix import candidates, heavymix, keep_largest, local_topk, merge_topk, topk_indices
 from lowband.compress.sketch import CountSketch
-from lowband.compress.sparse_update import SparseUpdateReducer, Step, check_number
+from lowband.compress.sparse_update import SparseUpdateReducer, Step, check_number, index_dtype
 from lowband.compress.tree import star_schedule, tree_schedule
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -227,13 +227,14 @@ class SketchedSGDReducer(SketchingReducer):
     ) -> list[Tensor]:
         g = ctx.group
         m = candidates(st.k, self.oversample, st.p.numel())
+        wire = index_dtype(st.p.numel())
         if g.rank == 0:
             t0 = time.perf_counter()
-            idx = self.recover(sk, summed, m, unit, ctx.step)
+            idx = self.recover(sk, summed, m, unit, ctx.step).to(wire)
             self.add_decode(time.perf_counter() - t0)
         else:
-            idx = torch.empty(m, dtype=torch.int64)
-        idx = ibroadcast(idx, 0, inplace=True, name=unit.key, group=g).wait()
+            idx = torch.empty(m, dtype=wire)
+        idx = ibroadcast(idx, 0, inplace=True, name=unit.key, group=g).wait().long()
         vals = itree([st.p[idx]], star_schedule(g.size), name=unit.key, group=g).wait()[0]
         if m > st.k:
             idx, vals = keep_largest(idx, vals, st.k)
@@ -274,17 +275,18 @@ class GTopKReducer(SparseUpdateReducer):
             self.add_decode(time.perf_counter() - t1)
             return [ki, kv]
 
-        h = itree([idx, val], tree_schedule(g.size), combine, name=unit.key, group=g)
+        wire = idx.to(index_dtype(st.p.numel()))
+        h = itree([wire, val], tree_schedule(g.size), combine, name=unit.key, group=g)
 
         def finish(res: list[Tensor]) -> list[Tensor]:
-            gidx, gval = res
+            gidx, gval = res[0].long(), res[1]
             if self.feedback == "paper":
                 contribution = self.masked(st.p, gidx)
             else:
                 contribution = torch.zeros_like(st.p)
                 contribution[idx] = val
                 for di, dv in dropped:
-                    contribution.index_add_(0, di, -dv)
+                    contribution.index_add_(0, di.long(), -dv)
             return self.apply(st, gidx, contribution, gval, g.size)
 
         return h.map(finish)

@@ -6,8 +6,8 @@ compares the kernel's interface counters, headers included, against it).
   :meth:`TreeSchedule.counts` sketches; with ``reduce="allreduce"`` a ring allreduce of the sketch
   (``2 (P-1)/P`` sketches each way). Then a ring allreduce of ``m = ceil(oversample * k)`` values.
 - Sketched-SGD: every rank but 0 sends one sketch and rank 0 receives ``P - 1``; rank 0 broadcasts
-  ``m`` int64 indices (``(P-1) m`` sent by rank 0); the ``m`` values go to rank 0 and back (star).
-- gTop-k: the tree with ``k`` (int64 index, value) pairs per message.
+  ``m`` indices (``(P-1) m`` sent by rank 0); the ``m`` values go to rank 0 and back (star).
+- gTop-k: the tree with ``k`` (index, value) pairs per message.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from lowband.comm.reduce import ring_bytes
 from lowband.compress.heavymix import candidates
 from lowband.compress.tree import TreeSchedule, star_schedule, tree_schedule
 
-INDEX_BYTES = 8
+
+def index_bytes(d: int) -> int:
+    """Bytes of one index on the wire (int32 below ``2**31`` elements)."""
+    return 4 if d < 2**31 else 8
 
 
 def schedule_bytes(s: TreeSchedule, rank: int, message: int, *, broadcast: bool = True) -> tuple[int, int]:
@@ -54,11 +57,11 @@ def sketched_sgd_bytes(
     star = star_schedule(size)
     m = candidates(k, oversample, d)
     s1, r1 = schedule_bytes(star, rank, rows * cols * itemsize, broadcast=False)
-    idx = m * INDEX_BYTES
+    idx = m * index_bytes(d)
     s2, r2 = ((size - 1) * idx, 0) if rank == 0 else (0, idx if size > 1 else 0)
     s3, r3 = schedule_bytes(star, rank, m * itemsize)
     return s1 + s2 + s3, r1 + r2 + r3
 
 
 def gtopk_bytes(d: int, size: int, rank: int, *, k: int, itemsize: int = 4) -> tuple[int, int]:
-    return schedule_bytes(tree_schedule(size), rank, min(k, d) * (INDEX_BYTES + itemsize))
+    return schedule_bytes(tree_schedule(size), rank, min(k, d) * (index_bytes(d) + itemsize))

@@ -15,6 +15,7 @@ sparse update. ``momentum = rho > 0`` keeps Sketched-SGD's worker momentum inste
 applied coordinates, as Sketched-SGD does so that momentum does not push applied coordinates again.
 
 ``k``: ``k`` when given (> 0), else ``ceil(density * numel)`` of each unit; at most the unit's size.
+Indices on the wire are int32 below ``2**31`` elements (int64 above), as the top-k compressor's.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class Step:
     k: int
 
 
+def index_dtype(numel: int) -> torch.dtype:
+    """The dtype of indices on the wire into a unit of ``numel`` elements."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
 class SparseUpdateReducer(Reducer):
     """The shared part of the gs-SGD, Sketched-SGD and gTop-k reducers; see the module docstring."""
 
@@ -87,8 +93,14 @@ class SparseUpdateReducer(Reducer):
         self.last_indices: dict[str, Tensor] = {}
 
     def k_for(self, numel: int) -> int:
-        """The number of coordinates applied for a unit of ``numel`` elements."""
-        k = self.k if self.k > 0 else math.ceil(self.density * numel)
+        """The number of coordinates applied for a unit of ``numel`` elements: ``k``, else
+        ``ceil(density * numel)`` (a product within 1e-9 of an integer counts as that integer, as for
+        the top-k compressor), at least 1 and at most ``numel``."""
+        if self.k > 0:
+            k = self.k
+        else:
+            x = self.density * numel
+            k = round(x) if abs(x - round(x)) <= 1e-9 * max(1.0, x) else math.ceil(x)
         return max(1, min(k, numel)) if numel else 0
 
     def unit_seed(self, key: str) -> int:

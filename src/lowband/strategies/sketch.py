@@ -16,11 +16,11 @@ from typing import Any
 from torch import nn
 
 from lowband.compress.gssgd import GsSGDReducer, GTopKReducer, SketchedSGDReducer, SketchingReducer
-from lowband.compress.reducer import make_reducer
 from lowband.compress.sparse_update import SparseUpdateReducer
 from lowband.group import Group
 from lowband.optim.reducer import Reducer
 from lowband.strategies.base import OptimizerFactory
+from lowband.strategies.compressed import CompressedStrategy, compressed
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.stage import StageStrategy
 
@@ -148,14 +148,12 @@ def topk_allgather(
     seed: int = 0,
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
-) -> SparseStageStrategy:
-    r = make_reducer("allgather", f"topk:ratio={density}", "residual", seed=seed)
-    return SparseStageStrategy(
-        "topk-allgather",
-        model,
-        make_optimizer,
-        group,
-        r,
-        bucket_mb=bucket_mb,
-        first_bucket_mb=first_bucket_mb,
-    )
+) -> CompressedStrategy:
+    """``compressed:compressor=topk:ratio=DENSITY,reducer=allgather`` under its own name."""
+    s = compressed(
+        model, make_optimizer, group, compressor=f"topk:ratio={density}", reducer="allgather",
+        memory="residual", bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, seed=seed,
+    )  # fmt: skip
+    assert isinstance(s, CompressedStrategy)
+    s.name = "topk-allgather"
+    return s
