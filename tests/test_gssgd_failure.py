@@ -1,5 +1,5 @@
 """Real processes: the sketch tables agree across processes (the same seed, no communication), and a
-rank that dies makes every other rank of a gs-sgd or gtopk step raise within the timeout."""
+rank that dies makes every other rank of a gs-sgd step (the tree executor every sparse scheme uses) raise within the timeout."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _die_in_a_step(name: str, victim: int) -> tuple[int, str, float] | None:
     return None
 
 
-@pytest.mark.parametrize(("name", "victim"), [("gs-sgd", 2), ("gtopk", 1)])
+@pytest.mark.parametrize(("name", "victim"), [("gs-sgd", 2)])
 def test_dead_rank_raises_on_the_others(name: str, victim: int) -> None:
     n = 3
     out = run_processes(
