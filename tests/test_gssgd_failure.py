@@ -1,5 +1,6 @@
 """Real processes: the sketch tables agree across processes (the same seed, no communication), and a
-rank that dies makes every other rank of a gs-sgd step (the tree executor every sparse scheme uses) raise within the timeout."""
+rank that dies makes every other rank of a gs-sgd step raise within the timeout (the tree executor, which
+every sparse scheme uses)."""
 
 from __future__ import annotations
 
