@@ -47,7 +47,8 @@ from lowband.comm.tree import itree
 from lowband.compress.base import CompressContext
 from lowband.compress.heavymix import candidates, heavymix, keep_largest, local_topk, merge_topk, topk_indices
 from lowband.compress.sketch import CountSketch
-from lowband.compress.sparse_update import SparseUpdateReducer, Step, check_number, index_dtype
+from lowband.compress.sparse import index_dtype
+from lowband.compress.sparse_update import SparseUpdateReducer, Step, check_number
 from lowband.compress.tree import star_schedule, tree_schedule
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group

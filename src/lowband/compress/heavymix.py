@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from lowband.compress import sparse
 from lowband.errors import InvalidArgumentError
 
 Tensor = torch.Tensor
@@ -32,17 +33,8 @@ Tensor = torch.Tensor
 
 def topk_indices(x: Tensor, k: int) -> Tensor:
     """Positions of the ``k`` largest ``|x|`` (ties: the smaller position), ascending; all of them
-    when ``k >= x.numel()``."""
-    n = x.numel()
-    if k >= n:
-        return torch.arange(n, dtype=torch.int64, device=x.device)
-    if k <= 0:
-        return torch.empty(0, dtype=torch.int64, device=x.device)
-    a = x.abs()
-    t = torch.topk(a, k, sorted=False).values.min()
-    above = (a > t).nonzero().view(-1)
-    ties = (a == t).nonzero().view(-1)[: k - above.numel()]
-    return torch.cat([above, ties]).sort().values
+    when ``k >= x.numel()`` (the top-k compressor's selection)."""
+    return sparse.topk_indices(x.abs(), k)
 
 
 def heavymix(est: Tensor, norm_sq: float, k: int, generator: torch.Generator) -> Tensor:

@@ -20,7 +20,6 @@ Indices on the wire are int32 below ``2**31`` elements (int64 above), as the top
 
 from __future__ import annotations
 
-import math
 import time
 import zlib
 from collections.abc import Mapping
@@ -31,6 +30,7 @@ import torch
 
 from lowband.compress.memory import ResidualMemory, Segments
 from lowband.compress.reducer import Timings, flatten, segments, unflatten_into
+from lowband.compress.sparse import count_from_ratio
 from lowband.errors import InvalidArgumentError
 from lowband.optim.reducer import Reducer, Unit
 
@@ -54,11 +54,6 @@ class Step:
     velocity: Tensor | None  # u, with worker momentum
     p: Tensor  # the compensated gradient
     k: int
-
-
-def index_dtype(numel: int) -> torch.dtype:
-    """The dtype of indices on the wire into a unit of ``numel`` elements."""
-    return torch.int32 if numel < 2**31 else torch.int64
 
 
 class SparseUpdateReducer(Reducer):
@@ -96,11 +91,7 @@ class SparseUpdateReducer(Reducer):
         """The number of coordinates applied for a unit of ``numel`` elements: ``k``, else
         ``ceil(density * numel)`` (a product within 1e-9 of an integer counts as that integer, as for
         the top-k compressor), at least 1 and at most ``numel``."""
-        if self.k > 0:
-            k = self.k
-        else:
-            x = self.density * numel
-            k = round(x) if abs(x - round(x)) <= 1e-9 * max(1.0, x) else math.ceil(x)
+        k = self.k if self.k > 0 else count_from_ratio(self.density, numel)
         return max(1, min(k, numel)) if numel else 0
 
     def unit_seed(self, key: str) -> int:
