@@ -81,5 +81,15 @@ def contiguous_flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
+#: dtypes gloo's broadcast/allgather/allreduce reject ("Invalid scalar type"): moved as bytes (or widened)
+GLOO_LACKS: frozenset[torch.dtype] = frozenset({torch.int16})
+
+
+def byte_wire(flat: torch.Tensor) -> torch.Tensor:
+    """What a data-moving collective (broadcast, allgather) sends of the 1-D contiguous ``flat``: a
+    ``uint8`` view of the same memory for the dtypes gloo lacks, else ``flat`` itself."""
+    return flat.view(torch.uint8) if flat.dtype in GLOO_LACKS else flat
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from lowband.comm import validate
 from lowband.comm.base import (
+    byte_wire,
     check_inplace,
     check_name,
     checked_tensor,
@@ -65,7 +66,7 @@ def ibroadcast(
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         opts.rootTensor = 0
-        return [g.pg.broadcast([buf], opts)]
+        return [g.pg.broadcast([byte_wire(buf)], opts)]
 
     def finish() -> torch.Tensor:
         if buf.data_ptr() != out.data_ptr() or not out.is_contiguous():

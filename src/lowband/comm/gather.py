@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import validate
-from lowband.comm.base import check_name, checked_tensor, checking, contiguous_flat, make_handle, resolve
+from lowband.comm.base import byte_wire, check_name, checked_tensor, checking, contiguous_flat, make_handle, resolve
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -85,7 +85,7 @@ def iallgather(
             return []
         if mx * row == 0:
             return []
-        return [g.pg._allgather_base(recv, send)]
+        return [g.pg._allgather_base(byte_wire(recv), byte_wire(send))]
 
     def finish() -> torch.Tensor:
         if not even:

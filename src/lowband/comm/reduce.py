@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from lowband.comm import validate
 from lowband.comm.base import (
+    GLOO_LACKS,
     check_inplace,
     check_name,
     checked_tensor,
@@ -62,16 +63,20 @@ def iallreduce(
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     buf = contiguous_flat(out)
     size = g.size
+    # dtypes gloo lacks are reduced widened to int32: sum and product wrap modulo 2**16 as before
+    wire = buf.to(torch.int32) if buf.dtype in GLOO_LACKS and size > 1 else buf
 
     def issue() -> list[object]:
         if size == 1 or buf.numel() == 0:
             return []
         opts = dist.AllreduceOptions()
         opts.reduceOp = TORCH_OPS[rop]
-        return [g.pg.allreduce([buf], opts)]
+        return [g.pg.allreduce([wire], opts)]
 
     def finish() -> torch.Tensor:
         with torch.no_grad():
+            if wire is not buf:
+                buf.copy_(wire)
             if rop == "average" and size > 1:
                 buf.div_(size)
             if buf.data_ptr() != out.data_ptr() or not out.is_contiguous():
