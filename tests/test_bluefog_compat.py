@@ -715,9 +715,6 @@ def test_bad_arguments_are_reported() -> None:
             bf.synchronize(12345)
         with pytest.raises(InvalidArgumentError, match="handle"):
             bf.poll("not a handle")
-        with pytest.raises(InvalidArgumentError, match="associated p"):
-            bf.turn_on_win_ops_with_associated_p()
-        bf.turn_off_win_ops_with_associated_p()
         with pytest.raises(InvalidArgumentError, match="params"):
             bf.broadcast_parameters(3, 0)
 

@@ -66,7 +66,11 @@ def test_allreduce_int16_wraps_like_int16(n: int) -> None:
             for op in ("sum", "min", "max"):
                 want = xs[0].clone()
                 for x in xs[1:]:
-                    want = want + x if op == "sum" else (torch.minimum if op == "min" else torch.maximum)(want, x)
+                    want = (
+                        want + x
+                        if op == "sum"
+                        else (torch.minimum if op == "min" else torch.maximum)(want, x)
+                    )
                 got = lowband.allreduce(xs[r], op=op)
                 if got.dtype != torch.int16 or not torch.equal(got, want):
                     bad.append(f"rank {r} allreduce {op} {shape}: {got} != {want}")

@@ -502,6 +502,9 @@ class _Quadratic(nn.Module):
         super().__init__()
         self.x = nn.Parameter(torch.zeros(3, dtype=torch.float64))
 
+    def forward(self) -> torch.Tensor:
+        return self.x
+
 
 def _winput_consensus(iters: int) -> list[float]:
     r, n = lowband.rank(), lowband.size()
@@ -509,7 +512,7 @@ def _winput_consensus(iters: int) -> list[float]:
     opt = WinPutOptimizer(m, lambda ps: torch.optim.SGD(ps, lr=0.05), topology=ring(n))
     for _ in range(iters):
         opt.zero_grad()
-        (0.5 * ((m.x - TARGETS[r]) ** 2).sum()).backward()
+        (0.5 * ((m() - TARGETS[r]) ** 2).sum()).backward()
         opt.step()
     opt.synchronize()
     lowband.barrier()
@@ -538,7 +541,7 @@ def _winput_sleeper(done: list[threading.Event]) -> float:
         assert ok, "the other ranks blocked while rank 0 slept"
     for _ in range(30):
         opt.zero_grad()
-        (0.5 * ((m.x - TARGETS[r]) ** 2).sum()).backward()
+        (0.5 * ((m() - TARGETS[r]) ** 2).sum()).backward()
         opt.step()
     done[r].set()
     opt.synchronize()

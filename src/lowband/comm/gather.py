@@ -13,7 +13,15 @@ import torch
 import torch.distributed as dist
 
 from lowband.comm import validate
-from lowband.comm.base import byte_wire, check_name, checked_tensor, checking, contiguous_flat, make_handle, resolve
+from lowband.comm.base import (
+    byte_wire,
+    check_name,
+    checked_tensor,
+    checking,
+    contiguous_flat,
+    make_handle,
+    resolve,
+)
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group

@@ -10,6 +10,12 @@ parameters otherwise: evaluation, checkpoints).
 
 With momentum or Adam the inner optimizer adapts from the combined iterate of the previous iteration;
 its state (momentum buffers, moments) stays local.
+
+``num_steps_per_communication = J`` counts backward passes, as BlueFog does: the layers are stepped
+(on the gradients accumulated since the last step) and combined during the J-th backward since the last
+communication; a :meth:`~AdaptThenCombineOptimizer.step` before it is a local step of what has
+accumulated. So both ``J x (forward, backward, step)`` (local steps, the last one combining) and
+``J x (forward, backward)`` then one step (one step on J accumulated gradients, combined) work.
 """
 
 from __future__ import annotations
@@ -51,9 +57,13 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
         group: Group | None = None,
     ) -> None:
         _, layers = self.model_layers("AdaptThenCombineOptimizer", model, group)
-        self.layerwise = LayerwiseOptimizer(layers, make_optimizer, on_layer=self._adapted)
+        self.layerwise = LayerwiseOptimizer(
+            layers, make_optimizer, on_layer=self._adapted, accumulate=num_steps_per_communication
+        )
         self.inner = self.layerwise
         self._launched: set[int] = set()
+        #: whether the J-th backward of this iteration stepped (and so combines) the layers
+        self._combining = False
         try:
             super().__init__(
                 model,
@@ -72,8 +82,12 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
         self.forward_pre_hooks(self._complete)
 
     # -- hooks ------------------------------------------------------------------------------------
+    def is_communicating(self) -> bool:
+        return self._combining
+
     def _adapted(self, i: int) -> None:
-        """Layer ``i`` was just stepped (in backward): start combining it."""
+        """Layer ``i`` was just stepped in the J-th backward: start combining it."""
+        self._combining = True
         pending = self.launch_layer(i)
         self._launched.add(i)
         if pending is not None:
@@ -91,17 +105,34 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
 
     # -- the Optimizer interface ------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Close the iteration: step any layer that still holds gradients, start combining any layer
-        not yet sent in a communicating iteration (in layer order), advance the counters."""
+        """Close the iteration: step any layer that still holds gradients (a local step before the J-th
+        backward), start combining any layer the J-th backward did not send (in layer order), advance
+        the counters."""
         if closure is not None:
             raise InvalidArgumentError(f"{self.where}: step(closure) is not supported")
-        self.layerwise.step()
-        for i in range(len(self.layers)):
-            if i not in self._launched:
-                self._adapted(i)
+        if self._combining or self.num_steps_per_communication == 1:
+            self.layerwise.step()
+        else:
+            self._local_step()
+        if self._combining:
+            for i in range(len(self.layers)):
+                if i not in self._launched:
+                    self._adapted(i)
+            self.end_iteration()
+        else:
+            self.steps += 1
         self._launched.clear()
-        self.end_iteration()
+        self._combining = False
+        self.layerwise.stage.accumulate = self.num_steps_per_communication
         return None
+
+    def _local_step(self) -> None:
+        """Step every layer holding gradients, leaving the backward-pass count as it is (the J-th
+        backward still combines)."""
+        for opt in self.layerwise.optimizers:
+            if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
+                opt.step()
+                opt.zero_grad(set_to_none=True)
 
     def synchronize(self) -> None:
         """Complete every combination in flight (in layer order) and write it into the parameters."""

@@ -1,10 +1,13 @@
 """Adapt-With-Combine (BlueFog paper §V-C, Eq. 22): ``x_i <- sum_j w_ij x_j - lr * g_i(x_i)``.
 
-In each layer's forward pre-hook (training mode, gradients enabled, communicating iteration, first
-forward of the iteration) the nonblocking combination of the layer's current parameters starts, out of
-place, so it overlaps the whole forward and backward; the gradient is computed at the local
-parameters. :meth:`~AdaptWithCombineOptimizer.step` waits for the combinations, sets every parameter to
-its combined value and then runs the inner torch optimizer, which applies the local gradient there.
+In each layer's forward pre-hook during the J-th training forward (gradients enabled) since the last
+communication, ``J = num_steps_per_communication``, the nonblocking combination of the layer's current
+parameters starts, out of place, so it overlaps the whole forward and backward; the gradient is
+computed at the local parameters. :meth:`~AdaptWithCombineOptimizer.step` then waits for the
+combinations, sets every parameter to its combined value and runs the inner torch optimizer, which
+applies the local gradient there. A step before the J-th forward is a local step. As in BlueFog, both
+``J x (forward, backward, step)`` (local steps, the last one combining) and ``J x (forward, backward)``
+then one step (gradients accumulated over J passes, one combining step) work.
 
 With momentum or Adam the inner optimizer's state is built from local gradients but applied to the
 combined iterate: the state follows the combined iterate, as in BlueFog's AWC optimizers.
@@ -13,6 +16,7 @@ combined iterate: the state follows the combined iterate, as in BlueFog's AWC op
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -58,12 +62,17 @@ class AdaptWithCombineOptimizer(DecentralizedOptimizer):
             machine_topology=machine_topology,
             num_steps_per_communication=num_steps_per_communication,
         )
+        self.count_forwards()
         self.forward_pre_hooks(self._before_forward)
+
+    def is_communicating(self) -> bool:
+        return self.forwards >= self.num_steps_per_communication
 
     def _before_forward(self, layers: list[int]) -> None:
         if not torch.is_grad_enabled() or not self.model.training:
             return  # evaluation forwards do not communicate
-        self._launch(layers)
+        if self.is_communicating():
+            self._launch(layers)
 
     def _launch(self, layers: list[int]) -> None:
         for i in layers:
@@ -74,16 +83,30 @@ class AdaptWithCombineOptimizer(DecentralizedOptimizer):
                     self._pending[i] = pending
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Send the layers no forward reached (communicating iteration), set every parameter to its
-        combined value, then step the inner optimizer with the local gradients."""
+        """Communicating iteration (the J-th forward happened): send the layers no forward reached, set
+        every parameter to its combined value, then step the inner optimizer with the local gradients.
+        Otherwise a local step."""
         if closure is not None:
             raise InvalidArgumentError(f"{self.where}: step(closure) is not supported")
-        self._launch(list(range(len(self.layers))))
+        communicating = self.is_communicating()
+        if communicating:
+            self._launch(list(range(len(self.layers))))
         self.synchronize()
         self.inner.step()
         self._launched.clear()
-        self.end_iteration()
+        if communicating:
+            self.end_iteration()
+            self.forwards = 0
+        else:
+            self.steps += 1
         return None
+
+    def counters(self) -> dict[str, Any]:
+        return {**super().counters(), "forwards": self.forwards}
+
+    def load_counters(self, counters: dict[str, Any]) -> None:
+        super().load_counters(counters)
+        self.forwards = int(counters.get("forwards", 0))
 
     def synchronize(self) -> None:
         """Complete every combination in flight (in layer order) and write it into the parameters.

@@ -144,6 +144,18 @@ class WrapperBase(torch.optim.Optimizer):
         """Call ``fn(layer indices)`` before the forward of every module holding parameters."""
         self._hooks.extend(forward_pre_hooks(self.model, self.layers, fn))
 
+    def count_forwards(self) -> None:
+        """Count the model's training forwards (gradients enabled) in :attr:`forwards`, before any
+        layer's forward pre-hook runs: BlueFog's optimizers communicate at the J-th forward since the
+        last communication (``num_steps_per_communication = J``)."""
+        self.forwards = 0
+
+        def count(module: nn.Module, _args: Any) -> None:
+            if module.training and torch.is_grad_enabled():
+                self.forwards += 1
+
+        self._hooks.append(self.model.register_forward_pre_hook(count, prepend=True))
+
     def finish_layer(self, i: int, result: list[Tensor]) -> None:
         """What waiting for layer ``i``'s operation ends with (nothing here; combiners write back)."""
 
@@ -263,7 +275,7 @@ class DecentralizedOptimizer(WrapperBase):
 
     def _make_plan(self) -> Plan:
         kind = self.communication_type
-        if not self.communicates(self.num_steps_per_communication):
+        if not self.is_communicating():
             kind = CommunicationType.empty
         kwargs: dict[str, Any] = {}
         if kind is CommunicationType.neighbor_allreduce:
@@ -290,6 +302,10 @@ class DecentralizedOptimizer(WrapperBase):
                 kwargs = {"machine_topology": self.machine_topology}
         check = self.enable_topo_check
         return Plan(kind, kwargs, self.group if check else self._fast, check)
+
+    def is_communicating(self) -> bool:
+        """Whether the current iteration communicates (every J-th step unless a subclass counts passes)."""
+        return self.communicates(self.num_steps_per_communication)
 
     def end_iteration(self) -> None:
         """Advance the counters; the next iteration makes a new plan from the knobs."""

@@ -35,6 +35,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from lowband.errors import InvalidArgumentError
 from lowband.topology import Topology
 
@@ -92,7 +94,10 @@ def check_weight_map(where: str, what: str, value: object, size: int, me: int) -
 
 
 def check_rank_list(where: str, what: str, value: object, size: int, me: int) -> list[int]:
-    """A sequence of distinct other ranks of a group of ``size``."""
+    """A sequence of distinct other ranks of a group of ``size`` (a list, tuple, range or 1-D numpy
+    array of ints)."""
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        value = value.tolist()
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
         raise InvalidArgumentError(f"{where}: {what} must be a list of ranks, got {type(value).__name__}")
     out: list[int] = []

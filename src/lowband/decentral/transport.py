@@ -114,6 +114,19 @@ class Reduction:
     finish: Callable[[], list[Tensor]]
 
 
+#: weights within this of ``1 / (n + 1)`` count as uniform averaging (BlueFog's tolerance)
+UNIFORM_TOL = 1e-6
+
+
+def is_uniform(rt: Route) -> bool:
+    """Whether ``rt`` averages this rank and its ``n`` sources uniformly (every weight ``1 / (n + 1)``
+    within :data:`UNIFORM_TOL`); such a reduction sums first and divides once, as BlueFog does."""
+    if not rt.recv:
+        return False
+    u = 1.0 / (len(rt.recv) + 1)
+    return abs(rt.self_weight - u) <= UNIFORM_TOL and all(abs(w - u) <= UNIFORM_TOL for _, w in rt.recv)
+
+
 def prepare_reduction(ctx: Context, g: Group, rt: Route, flats: Sequence[Tensor]) -> Reduction:
     """Buffers and messages of a weighted neighbor reduction of the 1-D ``flats`` (one message per flat
     and peer). ``finish`` returns each flat's result in the accumulation dtype:
@@ -133,13 +146,24 @@ def prepare_reduction(ctx: Context, g: Group, rt: Route, flats: Sequence[Tensor]
                     copies[s] = f if s == 1.0 else f.mul(s)
                 ops.append(send_op(copies[s], dst, tag))
 
+    uniform = is_uniform(rt)
+
     def start() -> None:
-        outs.extend(f.to(_acc_dtype(f.dtype)).mul(rt.self_weight) for f in flats)
+        if uniform:  # (x + sum_j x_j) / (n + 1): exact on integer-valued data, as BlueFog computes it
+            outs.extend(f.to(_acc_dtype(f.dtype), copy=True) for f in flats)
+        else:
+            outs.extend(f.to(_acc_dtype(f.dtype)).mul(rt.self_weight) for f in flats)
 
     def finish() -> list[Tensor]:
         for out, bs in zip(outs, bufs):
             for (_, w), b in zip(rt.recv, bs):
-                out.add_(b if b.dtype == out.dtype else b.to(out.dtype), alpha=w)
+                b = b if b.dtype == out.dtype else b.to(out.dtype)
+                if uniform:
+                    out.add_(b)
+                else:
+                    out.add_(b, alpha=w)
+            if uniform:
+                out.div_(len(rt.recv) + 1)
         return outs
 
     return Reduction(ops, start, finish)

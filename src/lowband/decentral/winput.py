@@ -1,15 +1,16 @@
 """Asynchronous decentralized SGD with one-sided windows (BlueFog's ``DistributedWinPutOptimizer``).
 
 Every parameter is registered as a window (:func:`lowband.decentral.window.win_create`, collective, at
-construction) over a static topology. :meth:`~WinPutOptimizer.step` runs the inner torch optimizer (the
-local adapt step), then, in a communicating iteration, puts each parameter into its out-neighbors'
+construction) over a static topology. The order is BlueFog's: after the J-th training forward since the
+last communication (``J = num_steps_per_communication``) each parameter is put into its out-neighbors'
 windows (nonblocking: the put is applied by the destination's window service, whatever its training
-loop is doing) and replaces it by ``self_weight * x + sum_j src_weights[j] * (x_j last received)``
-(:func:`~lowband.decentral.window.win_update`; default: the topology's pull weights). No rank ever
-waits for a neighbor to reach some step: a slow or sleeping neighbor just contributes its last value.
-
-Waits are only for this rank's own puts of the previous iteration to be applied at their destinations
-(bounded by the runtime timeout). :meth:`~WinPutOptimizer.close` frees the windows (collective).
+loop is doing); :meth:`~WinPutOptimizer.step` then waits for those puts, replaces each parameter by
+``self_weight * x + sum_j src_weights[j] * (x_j last received)`` (:func:`~lowband.decentral.window.win_update`
+under this rank's window mutex; default: the topology's pull weights) and runs the inner torch optimizer
+with the local gradient (computed at the pre-combination parameters): ``x <- W x - lr * g(x)``. A step
+before the J-th forward is a local step. No rank ever waits for a neighbor to reach some step: a slow
+or sleeping neighbor just contributes its last value. :meth:`~WinPutOptimizer.close` frees the windows
+(collective).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from lowband.comm.handle import Handle
@@ -52,7 +54,7 @@ class WinPutOptimizer(WrapperBase):
     :func:`lowband.decentral.state.load_topology`). Knobs settable before every step:
     ``self_weight`` + ``src_weights`` (the combination; both or neither), ``dst_weights`` (the scale of
     the copy sent to each out-neighbor, default 1), ``num_steps_per_communication``, ``require_mutex``
-    (apply puts and updates under the windows' mutexes: no torn reads, at the price of lock waits).
+    (apply puts under the destinations' mutexes; updates always hold this rank's own mutex).
     """
 
     num_steps_per_communication = Knob(check_period)
@@ -85,26 +87,36 @@ class WinPutOptimizer(WrapperBase):
             win_create(p.detach(), wname, topology=topology, group=self.group)
         self._puts: list[Handle[bool]] = []
         self._open = True
+        self.count_forwards()
+        self._hooks.append(self.model.register_forward_hook(self._after_forward))
+
+    def _after_forward(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        """The J-th training forward: put every parameter into the out-neighbors' windows."""
+        if not module.training or not torch.is_grad_enabled() or self._puts or not self._open:
+            return
+        if self.forwards < self.num_steps_per_communication:
+            return
+        mutex = self.require_mutex
+        for wname, p in self.windows:
+            self._puts.append(
+                win_put_nonblocking(p.detach(), wname, dst_weights=self.dst_weights, require_mutex=mutex)
+            )
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Local step, then (communicating iteration) put to the out-neighbors and combine what has
-        arrived, without waiting for any neighbor."""
+        """After the J-th forward: wait for this rank's puts, combine what has arrived (without waiting
+        for any neighbor), then the local step. Before it: the local step alone."""
         if closure is not None:
             raise InvalidArgumentError(f"{self.where}: step(closure) is not supported")
         if not self._open:
             raise InvalidArgumentError(f"{self.where}: step() after close()")
-        self.inner.step()
-        if self.communicates(self.num_steps_per_communication):
+        if self._puts:
             self.synchronize()
-            mutex = self.require_mutex
-            for wname, p in self.windows:
-                self._puts.append(
-                    win_put_nonblocking(p.detach(), wname, dst_weights=self.dst_weights, require_mutex=mutex)
-                )
             for wname, _ in self.windows:
                 win_update(
-                    wname, self_weight=self.self_weight, src_weights=self.src_weights, require_mutex=mutex
+                    wname, self_weight=self.self_weight, src_weights=self.src_weights, require_mutex=True
                 )
+            self.forwards = 0
+        self.inner.step()
         self.steps += 1
         return None
 
@@ -113,6 +125,13 @@ class WinPutOptimizer(WrapperBase):
         puts, self._puts = self._puts, []
         for h in puts:
             h.wait()
+
+    def counters(self) -> dict[str, Any]:
+        return {**super().counters(), "forwards": self.forwards}
+
+    def load_counters(self, counters: dict[str, Any]) -> None:
+        super().load_counters(counters)
+        self.forwards = int(counters.get("forwards", 0))
 
     def state_dict(self) -> dict[str, Any]:
         """Inner state, counters, and every window's buffers (the neighbors' last values) and versions."""

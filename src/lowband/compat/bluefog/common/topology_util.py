@@ -41,14 +41,18 @@ Differences from BlueFog:
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import networkx as nx
 import numpy as np
 import numpy.typing as npt
+import torch
 
+import lowband
 from lowband.errors import InvalidArgumentError
+from lowband.runtime import current
 from lowband.topology import (
     Topology,
     exponential,
@@ -66,7 +70,7 @@ from lowband.topology import (
     symmetric_exponential,
     uniform_pull_weights,
 )
-from lowband.topology._args import as_int, check_rank, check_size
+from lowband.topology._args import as_int, check_rank, check_rank_list, check_size
 
 SendRecv = tuple[list[int], list[int]]
 
@@ -224,26 +228,76 @@ Lists = list[list[int]]
 Matrix = npt.NDArray[np.float64]
 
 
+def _own_list(ranks: object) -> list[int] | None:
+    """This rank's list when ``ranks`` is one (ints, a tuple, a 1-D array, possibly empty), else None
+    (a list with one list per rank: the pure form)."""
+    if isinstance(ranks, np.ndarray):
+        return [int(r) for r in ranks.tolist()] if ranks.ndim == 1 else None
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        return None
+    if all(isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in ranks):
+        return [int(r) for r in ranks]
+    return None
+
+
+def _gather_lists(where: str, mine: list[int]) -> Lists:
+    """Every rank's list, by two allgathers (the lengths, then the ranks), as BlueFog does."""
+    ctx = current(where)
+    at = f"{_MOD}.{where} on rank {ctx.rank}"
+    check_rank_list(at, "ranks", mine, ctx.rank, ctx.size)
+    lens = lowband.allgather(torch.tensor([len(mine)], dtype=torch.int64), name=f"{where}.degrees")
+    flat = lowband.allgather(torch.tensor(mine, dtype=torch.int64), name=f"{where}.ranks").tolist()
+    out: Lists = []
+    pos = 0
+    for k in lens.tolist():
+        out.append(sorted(flat[pos : pos + k]))
+        pos += k
+    return out
+
+
 def InferSourceFromDestinationRanks(
-    dst_ranks: Sequence[Sequence[int]], construct_adjacency_matrix: bool = False, *, rank: int | None = None
+    dst_ranks: Sequence[int] | Sequence[Sequence[int]],
+    construct_adjacency_matrix: bool = False,
+    *,
+    rank: int | None = None,
 ) -> Any:
-    """Sources from destinations (pure; BlueFog's is collective): ``dst_ranks[r]`` lists rank
-    ``r``'s destinations. Returns every rank's sources (sorted), or ``rank``'s alone; with
-    ``construct_adjacency_matrix`` also the matrix ``W`` (``W[i, j]``: weight of the edge
-    ``i -> j``) where each receiver averages itself and its sources uniformly (columns sum to 1)."""
-    sources = infer_sources(dst_ranks)
+    """Sources from destinations. As in BlueFog, a collective call: ``dst_ranks`` is this rank's list of
+    destinations (any sequence of ints or a 1-D array), every rank calls it, and this rank's sources
+    (ascending) are returned; with ``construct_adjacency_matrix`` the pair ``(sources, W)`` where
+    ``W[i, j]`` is the weight of the edge ``i -> j`` and each receiver averages itself and its sources
+    uniformly (columns sum to 1). lowband's pure form: pass every rank's list (``dst_ranks[r]`` is rank
+    ``r``'s); every rank's sources are returned, or ``rank``'s alone."""
+    mine = _own_list(dst_ranks)
+    if mine is not None:
+        lists = _gather_lists("InferSourceFromDestinationRanks", mine)
+        sources = infer_sources(lists)
+        return _result("InferSourceFromDestinationRanks", sources, sources, construct_adjacency_matrix, _me())
+    sources = infer_sources(dst_ranks)  # type: ignore[arg-type]
     return _result("InferSourceFromDestinationRanks", sources, sources, construct_adjacency_matrix, rank)
 
 
 def InferDestinationFromSourceRanks(
-    src_ranks: Sequence[Sequence[int]], construct_adjacency_matrix: bool = False, *, rank: int | None = None
+    src_ranks: Sequence[int] | Sequence[Sequence[int]],
+    construct_adjacency_matrix: bool = False,
+    *,
+    rank: int | None = None,
 ) -> Any:
-    """Destinations from sources (pure; BlueFog's is collective): ``src_ranks[r]`` lists rank
-    ``r``'s sources. Returns every rank's destinations (sorted), or ``rank``'s alone; with
-    ``construct_adjacency_matrix`` also the matrix of :func:`InferSourceFromDestinationRanks`."""
-    destinations = infer_destinations(src_ranks)
+    """Destinations from sources: the collective call (this rank's sources in, its destinations out) or
+    the pure form, as :func:`InferSourceFromDestinationRanks`; the matrix is the same graph's."""
+    mine = _own_list(src_ranks)
+    if mine is not None:
+        lists = _gather_lists("InferDestinationFromSourceRanks", mine)
+        destinations = infer_destinations(lists)
+        return _result(
+            "InferDestinationFromSourceRanks", destinations, lists, construct_adjacency_matrix, _me()
+        )
+    destinations = infer_destinations(src_ranks)  # type: ignore[arg-type]
     sources = infer_sources(destinations)
     return _result("InferDestinationFromSourceRanks", destinations, sources, construct_adjacency_matrix, rank)
+
+
+def _me() -> int:
+    return current("topology_util").rank
 
 
 def _result(name: str, lists: Lists, sources: Lists, with_matrix: bool, rank: int | None) -> Any:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import lowband
 from lowband.compat.bluefog.common import topology_util
+from lowband.compat.bluefog.torch._errors import TopologyTypeError
 from lowband.compat.bluefog.torch._state import MOD, compat_state
 from lowband.decentral import state as dstate
 from lowband.decentral import window as dwindow
@@ -129,7 +130,7 @@ def _as_topology(op: str, graph: object, n: int, is_weighted: bool) -> Topology:
     """The lowband topology of a BlueFog graph: its edge weights, or uniform pull weights."""
     ctx = current(op)
     if not isinstance(graph, nx.DiGraph):
-        raise InvalidArgumentError(
+        raise TopologyTypeError(
             f"{MOD}.{op} on rank {ctx.rank}: topology must be a networkx.DiGraph, got {type(graph).__name__}"
         )
     if graph.number_of_nodes() != n:

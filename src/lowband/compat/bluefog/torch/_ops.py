@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import lowband
+from lowband.compat.bluefog.torch._errors import as_bluefog_errors
 from lowband.compat.bluefog.torch._state import lookup, register
 from lowband.decentral import hierarchical as dh
 from lowband.decentral import neighbor as dn
@@ -126,14 +127,15 @@ def neighbor_allreduce_nonblocking(
     ``self_weight`` with ``src_weights`` (pull), ``dst_weights`` (push; a dict or a list of ranks with
     scale 1) or both; see :mod:`lowband.decentral.peers`. ``enable_topo_check`` checks that senders and
     receivers agree (BlueFog does it for dynamic calls only)."""
-    h = dn.ineighbor_allreduce(
-        tensor,
-        self_weight=self_weight,
-        src_weights=src_weights,
-        dst_weights=dst_weights,
-        check_topology=_topo_check(enable_topo_check, dst_weights is not None),
-        name=name,
-    )
+    with as_bluefog_errors():
+        h = dn.ineighbor_allreduce(
+            tensor,
+            self_weight=self_weight,
+            src_weights=src_weights,
+            dst_weights=dst_weights,
+            check_topology=_topo_check(enable_topo_check, dst_weights is not None),
+            name=name,
+        )
     return register(h)
 
 
@@ -168,13 +170,14 @@ def neighbor_allgather_nonblocking(
 ) -> int:
     """Nonblocking gather of the in-neighbors' tensors (or ``src_ranks``'), concatenated along
     dimension 0 in ascending source rank; this rank's own tensor is not included."""
-    h = dn.ineighbor_allgather(
-        tensor,
-        src_ranks=src_ranks,
-        dst_ranks=dst_ranks,
-        check_topology=_topo_check(enable_topo_check, dst_ranks is not None),
-        name=name,
-    )
+    with as_bluefog_errors():
+        h = dn.ineighbor_allgather(
+            tensor,
+            src_ranks=src_ranks,
+            dst_ranks=dst_ranks,
+            check_topology=_topo_check(enable_topo_check, dst_ranks is not None),
+            name=name,
+        )
     return register(h)
 
 
@@ -204,14 +207,15 @@ def hierarchical_neighbor_allreduce_nonblocking(
     """Nonblocking hierarchical partial averaging: an average inside each machine, then a neighbor
     allreduce between machines (machine weights, or the machine topology's), shared by the machine's
     ranks. Machine ranks index the weights."""
-    h = dh.ihierarchical_neighbor_allreduce(
-        tensor,
-        self_weight=self_weight,
-        src_machine_weights=src_machine_weights,
-        dst_machine_weights=dst_machine_weights,
-        check_topology=_topo_check(enable_topo_check, dst_machine_weights is not None),
-        name=name,
-    )
+    with as_bluefog_errors():
+        h = dh.ihierarchical_neighbor_allreduce(
+            tensor,
+            self_weight=self_weight,
+            src_machine_weights=src_machine_weights,
+            dst_machine_weights=dst_machine_weights,
+            check_topology=_topo_check(enable_topo_check, dst_machine_weights is not None),
+            name=name,
+        )
     return register(h)
 
 
@@ -241,7 +245,9 @@ def poll(handle: Any) -> bool:
 def synchronize(handle: Any) -> Any:
     """Wait (bounded) for the nonblocking op of ``handle`` and return its output; a handle can be
     waited on once."""
-    return lookup("synchronize", handle, pop=True).wait()
+    h = lookup("synchronize", handle, pop=True)
+    with as_bluefog_errors():
+        return h.wait()
 
 
 def wait(handle: Any) -> Any:

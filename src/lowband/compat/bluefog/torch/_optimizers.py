@@ -129,6 +129,10 @@ class BlueFogWinPutOptimizer(WinPutOptimizer):
             lowband.barrier(group=self.group)
         return super().step(closure)
 
+    def unregister_window(self) -> None:
+        """Free the optimizer's windows (collective), as BlueFog's method of the same name."""
+        self.close()
+
 
 def DistributedWinPutOptimizer(
     optimizer: torch.optim.Optimizer,

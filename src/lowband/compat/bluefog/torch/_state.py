@@ -35,6 +35,9 @@ class CompatState:
     win_handles: dict[int, Handle[Any]] = field(default_factory=dict)
     counter: itertools.count[int] = field(default_factory=itertools.count)
     timeline: dict[str, Any] = field(default_factory=dict)
+    suspended: bool = False
+    assoc_p: bool = False
+    p_windows: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
 
 def compat_state(ctx: Context | None = None, op: str = "bluefog") -> CompatState:

@@ -15,10 +15,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from lowband.compat.bluefog.torch._state import MOD, lookup, register
+from lowband.compat.bluefog.torch import _assoc_p as assoc_p
+from lowband.compat.bluefog.torch._state import compat_state, lookup, register
 from lowband.decentral import window as dw
 from lowband.errors import InvalidArgumentError
-from lowband.runtime import current
 
 Tensor = torch.Tensor
 logger = logging.getLogger("lowband.compat.bluefog")
@@ -27,13 +27,18 @@ logger = logging.getLogger("lowband.compat.bluefog")
 def win_create(tensor: Tensor, name: str, zero_init: bool = False) -> bool:
     """Register ``tensor`` (the tensor itself, not a copy) as window ``name`` on every rank (collective),
     with one buffer per in-neighbor of the current topology: a copy of ``tensor``, or zeros with
-    ``zero_init``. Returns True."""
+    ``zero_init``. Returns True. While window ops with associated p are on, the window also carries p
+    (see :mod:`lowband.compat.bluefog.torch._assoc_p`)."""
+    if compat_state(op="win_create").assoc_p:
+        return assoc_p.create(tensor, name, zero_init)
     return dw.win_create(tensor, name, zero_init=zero_init)
 
 
 def win_free(name: str | None = None) -> bool:
     """Free window ``name``, or every window with ``None`` (collective). Returns True."""
-    return dw.win_free(name)
+    ok = dw.win_free(name)
+    assoc_p.forget(name)
+    return ok
 
 
 def get_current_created_window_names() -> list[str]:
@@ -52,7 +57,7 @@ def win_update(
     """``self_weight * tensor + sum_r neighbor_weights[r] * buffer_r`` (both weights, or neither for the
     topology's weights), written into the registered tensor and returned (a new tensor with ``clone``).
     ``reset`` zeroes the buffers used; ``require_mutex`` holds this rank's window mutex meanwhile."""
-    return dw.win_update(
+    out = dw.win_update(
         name,
         self_weight=self_weight,
         src_weights=neighbor_weights,
@@ -60,12 +65,22 @@ def win_update(
         clone=clone,
         require_mutex=require_mutex,
     )
+    return _unaugmented(name, out)
+
+
+def _unaugmented(name: str, out: Tensor) -> Tensor:
+    """The user's view of a window value: without p for a window that carries it."""
+    aug = assoc_p.augmented(name)
+    if aug is None:
+        return out
+    user = compat_state(op="win_update").p_windows[name][0]
+    return user if out is aug else out[:-1].view(user.shape)
 
 
 def win_update_then_collect(name: str, require_mutex: bool = True) -> Tensor:
     """``tensor += sum of the buffers`` and zero them, atomically (push-sum's collect); returns the
     registered tensor."""
-    return dw.win_update_then_collect(name, require_mutex=require_mutex)
+    return _unaugmented(name, dw.win_update_then_collect(name, require_mutex=require_mutex))
 
 
 def win_put_nonblocking(
@@ -76,9 +91,13 @@ def win_put_nonblocking(
     require_mutex: bool = False,
 ) -> int:
     """Nonblocking :func:`win_put`; returns a handle for :func:`win_wait` / :func:`win_poll`."""
+    aug = assoc_p.augmented(name) if isinstance(name, str) else None
+    sent = tensor if aug is None else assoc_p.with_p(tensor, aug)
     h = dw.win_put_nonblocking(
-        tensor, name, self_weight=self_weight, dst_weights=dst_weights, require_mutex=require_mutex
+        sent, name, self_weight=self_weight, dst_weights=dst_weights, require_mutex=require_mutex
     )
+    if aug is not None:
+        assoc_p.scaled_back(tensor, sent, aug)
     return register(h, window=True)
 
 
@@ -102,9 +121,13 @@ def win_accumulate_nonblocking(
     require_mutex: bool = False,
 ) -> int:
     """Nonblocking :func:`win_accumulate`; returns a handle for :func:`win_wait` / :func:`win_poll`."""
+    aug = assoc_p.augmented(name) if isinstance(name, str) else None
+    sent = tensor if aug is None else assoc_p.with_p(tensor, aug)
     h = dw.win_accumulate_nonblocking(
-        tensor, name, self_weight=self_weight, dst_weights=dst_weights, require_mutex=require_mutex
+        sent, name, self_weight=self_weight, dst_weights=dst_weights, require_mutex=require_mutex
     )
+    if aug is not None:
+        assoc_p.scaled_back(tensor, sent, aug)
     return register(h, window=True)
 
 
@@ -170,23 +193,18 @@ def get_win_version(name: str) -> dict[int, int]:
     return dw.get_win_version(name)
 
 
-def _no_associated_p(op: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
-        f"{MOD}.{op} on rank {current(op).rank}: window ops with an associated p are not supported; carry p "
-        "in the window tensor instead (as the paper's Listing 3 does: torch.cat([x, p]))"
-    )
-
-
 def win_associated_p(name: str) -> float:
-    """Not supported (see :func:`turn_on_win_ops_with_associated_p`)."""
-    raise _no_associated_p("win_associated_p")
+    """The associated p of window ``name`` (push-sum's weight; 1.0 at creation and for windows created
+    while window ops with associated p were off)."""
+    return assoc_p.associated_p(name)
 
 
 def turn_on_win_ops_with_associated_p() -> None:
-    """Not supported: BlueFog's hidden push-sum weight of every window. Append p to the tensor."""
-    raise _no_associated_p("turn_on_win_ops_with_associated_p")
+    """Windows created from now on carry an associated p that every window op moves as it moves the
+    tensor (BlueFog's global switch; off by default)."""
+    compat_state(op="turn_on_win_ops_with_associated_p").assoc_p = True
 
 
 def turn_off_win_ops_with_associated_p() -> None:
-    """A no-op: window ops never carry an associated p here."""
-    current("turn_off_win_ops_with_associated_p")
+    """Windows created from now on carry no associated p."""
+    compat_state(op="turn_off_win_ops_with_associated_p").assoc_p = False
