@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import lowband
 from lowband.compat.bluefog.common import topology_util
+from lowband.compat.bluefog.torch import _timeline as timeline
 from lowband.compat.bluefog.torch._errors import TopologyTypeError
 from lowband.compat.bluefog.torch._state import MOD, compat_state
 from lowband.decentral import state as dstate
@@ -31,18 +32,38 @@ from lowband.topology.weights import as_adjacency
 
 logger = logging.getLogger("lowband.compat.bluefog")
 
-#: BlueFog writes its timeline to ``$BLUEFOG_TIMELINE<rank>.json``; so does :func:`shutdown` here
-TIMELINE_ENV = "BLUEFOG_TIMELINE"
+#: BlueFog's number of ranks per machine (it overrides what the launcher says)
+NODES_PER_MACHINE_ENV = "BLUEFOG_NODES_PER_MACHINE"
 
 
 def init(topology_fn: Callable[[int], nx.DiGraph] | None = None, is_weighted: bool = False) -> None:
     """Initialise lowband (env:// under torchrun, else a world of one; an existing lowband context, as in
     the test harness, is reused) and set the topology ``topology_fn(size())``, by default
     ``ExponentialTwoGraph(size())``, and the machine topology ``ExponentialTwoGraph(machine_size())``.
-    With ``$BLUEFOG_TIMELINE`` set, lowband's tracing is turned on (see :func:`shutdown`)."""
-    lowband.init()
-    if os.environ.get(TIMELINE_ENV):
-        lowband.set_trace(True)
+    ``$BLUEFOG_NODES_PER_MACHINE`` sets the number of ranks per machine (before torchrun's
+    ``LOCAL_WORLD_SIZE``), as in BlueFog. With ``$BLUEFOG_TIMELINE`` set, the timeline is traced and
+    written while the program runs (see :mod:`lowband.compat.bluefog.torch._timeline`)."""
+    per_machine = os.environ.get(NODES_PER_MACHINE_ENV)
+    if not lowband.is_initialized() and per_machine:
+        try:
+            local = int(per_machine)
+        except ValueError:
+            raise InvalidArgumentError(
+                f"{MOD}.init: ${NODES_PER_MACHINE_ENV}={per_machine!r} is not an integer"
+            ) from None
+        lowband.init(local_size=local)
+    else:
+        lowband.init()
+        if per_machine and per_machine.strip() != str(lowband.local_size()):
+            logger.warning(
+                "%s.init on rank %d: $%s=%s ignored: lowband was initialised before with %d ranks per machine",
+                MOD,
+                lowband.rank(),
+                NODES_PER_MACHINE_ENV,
+                per_machine,
+                lowband.local_size(),
+            )
+    timeline.start()
     n = size()
     graph = topology_fn(n) if topology_fn is not None else topology_util.ExponentialTwoGraph(n)
     set_topology(graph, is_weighted)
@@ -50,12 +71,10 @@ def init(topology_fn: Callable[[int], nx.DiGraph] | None = None, is_weighted: bo
 
 
 def shutdown() -> None:
-    """Shut lowband down on this rank (writing ``$BLUEFOG_TIMELINE<rank>.json`` when that is set)."""
+    """Shut lowband down on this rank (writing the timeline file a last time when one is written)."""
     if not lowband.is_initialized():
         return
-    prefix = os.environ.get(TIMELINE_ENV)
-    if prefix:
-        lowband.chrome_trace(f"{prefix}{rank()}.json")
+    timeline.flush(force=True)
     lowband.shutdown()
 
 
@@ -258,6 +277,7 @@ def timeline_end_activity(tensor_name: str) -> bool:
     if ev is None or not ctx.tracer.enabled:
         return False
     ctx.tracer.end(ev)
+    timeline.flush()
     return True
 
 

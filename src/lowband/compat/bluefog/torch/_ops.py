@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 import lowband
+from lowband.compat.bluefog.torch import _timeline as timeline
 from lowband.compat.bluefog.torch._errors import as_bluefog_errors
 from lowband.compat.bluefog.torch._state import lookup, register
 from lowband.decentral import hierarchical as dh
@@ -247,7 +248,9 @@ def synchronize(handle: Any) -> Any:
     waited on once."""
     h = lookup("synchronize", handle, pop=True)
     with as_bluefog_errors():
-        return h.wait()
+        out = h.wait()
+    timeline.flush()
+    return out
 
 
 def wait(handle: Any) -> Any:
@@ -258,3 +261,4 @@ def wait(handle: Any) -> Any:
 def barrier() -> None:
     """Block until every rank has called it (bounded by the runtime's timeout)."""
     lowband.barrier()
+    timeline.flush(force=True)

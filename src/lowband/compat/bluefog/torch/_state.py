@@ -36,6 +36,8 @@ class CompatState:
     counter: itertools.count[int] = field(default_factory=itertools.count)
     timeline: dict[str, Any] = field(default_factory=dict)
     suspended: bool = False
+    timeline_file: str | None = None
+    timeline_written: float = 0.0
     assoc_p: bool = False
     p_windows: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
