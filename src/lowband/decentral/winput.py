@@ -86,16 +86,18 @@ class WinPutOptimizer(WrapperBase):
         for wname, p in self.windows:
             win_create(p.detach(), wname, topology=topology, group=self.group)
         self._puts: list[Handle[bool]] = []
+        self._combining = False  # puts launched by a forward, not yet combined
         self._open = True
         self.count_forwards()
         self._hooks.append(self.model.register_forward_hook(self._after_forward))
 
     def _after_forward(self, module: nn.Module, _args: Any, _out: Any) -> None:
         """The J-th training forward: put every parameter into the out-neighbors' windows."""
-        if not module.training or not torch.is_grad_enabled() or self._puts or not self._open:
+        if not module.training or not torch.is_grad_enabled() or self._combining or not self._open:
             return
         if self.forwards < self.num_steps_per_communication:
             return
+        self._combining = True
         mutex = self.require_mutex
         for wname, p in self.windows:
             self._puts.append(
@@ -103,28 +105,34 @@ class WinPutOptimizer(WrapperBase):
             )
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """After the J-th forward: wait for this rank's puts, combine what has arrived (without waiting
-        for any neighbor), then the local step. Before it: the local step alone."""
+        """:meth:`synchronize` (after the J-th forward: wait for this rank's puts and combine what has
+        arrived, without waiting for any neighbor), then the local step."""
         if closure is not None:
             raise InvalidArgumentError(f"{self.where}: step(closure) is not supported")
         if not self._open:
             raise InvalidArgumentError(f"{self.where}: step() after close()")
-        if self._puts:
-            self.synchronize()
-            for wname, _ in self.windows:
-                win_update(
-                    wname, self_weight=self.self_weight, src_weights=self.src_weights, require_mutex=True
-                )
-            self.forwards = 0
+        self.synchronize()
         self.inner.step()
         self.steps += 1
         return None
 
-    def synchronize(self) -> None:
+    def wait_puts(self) -> None:
         """Wait until this rank's puts in flight have been applied at their destinations."""
         puts, self._puts = self._puts, []
         for h in puts:
             h.wait()
+
+    def synchronize(self) -> None:
+        """After the J-th forward: wait for this rank's puts, then replace every parameter by the
+        combination of itself and what has arrived in its window (under this rank's window mutex), as
+        BlueFog's ``synchronize`` does. Otherwise nothing."""
+        if not self._combining:
+            return
+        self.wait_puts()
+        for wname, _ in self.windows:
+            win_update(wname, self_weight=self.self_weight, src_weights=self.src_weights, require_mutex=True)
+        self.forwards = 0
+        self._combining = False
 
     def counters(self) -> dict[str, Any]:
         return {**super().counters(), "forwards": self.forwards}
@@ -153,6 +161,8 @@ class WinPutOptimizer(WrapperBase):
     def close(self) -> None:
         """Finish this rank's puts and free the windows (collective: every rank of the group calls it)."""
         if self._open:
+            self.wait_puts()
+            self._combining = False
             self.remove_hooks()
             for wname, _ in self.windows:
                 win_free(wname)
