@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+import lowband
 from lowband.compat.bluefog.torch._state import MOD, compat_state
 from lowband.decentral import window as dw
 from lowband.errors import InvalidArgumentError
@@ -31,10 +32,14 @@ def create(tensor: Tensor, name: str, zero_init: bool) -> bool:
         )
     aug = torch.cat([tensor.detach().reshape(-1), tensor.new_ones(1)])
     ok = dw.win_create(aug, name, zero_init=zero_init)
-    state = dw.win_state_dict(name)
-    for b in state["buffers"].values():
-        b[-1] = 0.0
-    dw.win_load_state_dict(name, state)
+    if not zero_init:
+        # the buffers are copies of the tensor, p included: p buffers start at 0. No neighbor may write
+        # into them before they are fixed, hence the barrier (the creation is collective anyway).
+        state = dw.win_state_dict(name)
+        for b in state["buffers"].values():
+            b[-1] = 0.0
+        dw.win_load_state_dict(name, state)
+        lowband.barrier()
     with torch.no_grad():
         tensor.set_(aug.untyped_storage(), 0, tensor.shape, tensor.stride())
     compat_state(ctx).p_windows[name] = (tensor, aug)
