@@ -193,7 +193,9 @@ class GradientAllreduceStrategy(_WrapperStrategy):
         super().__init__(model, GradientAllreduceOptimizer(model, make_optimizer, group=group), group)
 
 
-@register_strategy("winput", "BlueFog asynchronous win_put: local step, put to neighbors, combine arrivals")
+@register_strategy(
+    "winput", "BlueFog asynchronous win_put: put to neighbors in forward, combine arrivals, local step"
+)
 class WinPutStrategy(_WrapperStrategy):
     name = "winput"
 

@@ -29,12 +29,13 @@ Differences from BlueFog:
   least two machines; with one, BlueFog's ring schedule sends to the rank itself and its exp-2
   schedule raises ``OverflowError``.
 - ``InferSourceFromDestinationRanks`` / ``InferDestinationFromSourceRanks`` live in BlueFog's
-  ``bluefog.torch.topology_util`` and are collective (an MPI allgather of each rank's list). Here they
-  are pure: they take every rank's list (``lists[r]`` is rank ``r``'s) and return every rank's
-  result, or rank ``rank``'s alone with ``rank=``. The adjacency matrix is normalised as BlueFog
-  documents it (each receiver's weights, self included, sum to 1: columns of ``[i, j] = i -> j``);
-  BlueFog's code divides by the senders' row sums instead, which agrees only when every rank has
-  as many sources as destinations.
+  ``bluefog.torch.topology_util`` (re-exported here, in
+  :mod:`lowband.compat.bluefog.torch.topology_util` and in ``bf``). Given this rank's list (any
+  sequence of ints or a 1-D array) they are collective, as in BlueFog (two allgathers). Given one list
+  per rank they are pure (lowband's extension: every rank's result, or rank ``rank``'s). The adjacency
+  matrix is normalised as BlueFog documents it (each receiver's weights, self included, sum to 1:
+  columns of ``[i, j] = i -> j``); BlueFog's code divides by the senders' row sums instead, which
+  agrees only when every rank has as many sources as destinations.
 - Only BlueFog 0.3's public functions are provided (not the older ``PowerGraph`` names, the static
   ``InnerOuter*Graph`` builders or ``isPowerOf``).
 """

@@ -6,83 +6,41 @@ Code written for BlueFog runs with one change, its import::
     import lowband.compat.bluefog.torch as bf        # after
     from lowband.compat.bluefog.common import topology_util   # for bluefog.common.topology_util
 
-Same function names, argument names, defaults and return types as BlueFog: ``init``, ranks and sizes,
-topologies, ``allreduce``/``broadcast``/``allgather`` (nonblocking ``_nonblocking`` and in-place ``_``
-forms), ``neighbor_allreduce``, ``neighbor_allgather``, ``hierarchical_neighbor_allreduce``, ``poll``/
-``synchronize``/``wait``/``barrier``, the ``win_*`` ops, the ``Distributed*Optimizer`` factories with
-``CommunicationType``, ``broadcast_parameters``/``broadcast_optimizer_state``/``allreduce_parameters`` and
-the ``timeline_*`` calls. There is deliberately no top-level ``bluefog`` package (it would shadow a real
-BlueFog install).
+Every public name of ``bluefog.torch`` (and of ``bluefog.torch.topology_util`` and
+``bluefog.common.topology_util``) exists with BlueFog's arguments, defaults, return types, numerics
+(uniform neighbor averaging is ``(x + sum_j x_j) / (n + 1)``), dtypes (int16 included), exception classes
+(``ValueError``/``TypeError`` subclasses keeping lowband's messages), optimizer semantics
+(``num_steps_per_communication`` counted in forward/backward passes; the win-put optimizer puts during
+the forward and combines at ``step``), window ops with an associated p, collective ``Infer*`` calls,
+``BLUEFOG_NODES_PER_MACHINE`` and a ``BLUEFOG_TIMELINE`` file written while the program runs.
+docs/BLUEFOG_COMPAT.md lists every name, same or different and why. There is deliberately no top-level
+``bluefog`` package (it would shadow a real BlueFog install).
 
-Differences from BlueFog
-========================
+What cannot be the same
+=======================
 
 =========================  ===========================================================================
 topic                      here
 =========================  ===========================================================================
 launcher                   ``torchrun --nproc-per-node 4 train.py`` or ``lowband run -n 4 train.py``
                            instead of ``bfrun``/``mpirun``; a plain ``python`` run is a world of one.
-                           No MPI and no C++ extension: torch.distributed (gloo on CPU).
-``init``                   joins torch.distributed (env://), reuses an existing lowband context (the
-                           test harness's); default topology ``ExponentialTwoGraph(size)``, default
-                           machine topology ``ExponentialTwoGraph(machine_size)``.
-machines                   ``local_size`` comes from torchrun's ``LOCAL_WORLD_SIZE`` or
-                           ``LOWBAND_LOCAL_SIZE``; layouts are always homogeneous (``is_homogeneous``).
-handles                    integers, as in BlueFog; ``poll``/``synchronize``/``wait``/``win_wait``/
-                           ``win_poll`` also accept lowband ``Handle`` objects. Each can be waited once.
-                           Every wait is bounded by lowband's timeout (``CommTimeoutError``).
-errors                     bad arguments raise ``lowband.errors.InvalidArgumentError`` (a
-                           ``ValueError``; BlueFog raises ``ValueError``/``TypeError`` or asserts),
-                           ranks that disagree ``CollectiveMismatchError``. ``win_wait`` of an unknown
-                           handle logs a warning and returns False, as in BlueFog.
-``name``                   a label for lowband's traces; ops are matched by call order (every rank
-                           calls the same collectives in the same order), not negotiated by name.
-``set_skip_negotiate_``    maps to lowband's cross-rank argument check: ``True`` = ``set_check(False)``.
-``stage``
-neighbor weights           keyword-only, as in BlueFog 0.3 (the paper's Listings 5 and 7 pass them
-                           positionally; pass them by keyword). Pull calls (``self_weight`` +
-                           ``src_weights``) send to the ranks that list this rank in their
-                           ``src_weights`` (discovered), where BlueFog sends to every static
-                           out-neighbor. ``dst_weights`` may be a dict or a list of ranks (scale 1).
-``enable_topo_check``      calls with ``dst_weights`` run lowband's send/receive check when True; static
-                           calls follow lowband's runtime check setting unless it is False.
-neighbor order             ``in_neighbor_ranks``/``out_neighbor_ranks`` are ascending;
-                           ``neighbor_allgather`` concatenates in ascending source rank (first
-                           dimensions may differ).
-``set_topology``           a non-DiGraph raises ``InvalidArgumentError`` (BlueFog: ``TypeError``);
-                           returns False while windows exist, as BlueFog does. An equivalent graph is a
-                           no-op only with the same ``is_weighted`` (BlueFog ignores a changed
-                           ``is_weighted`` then). The graph is also set as
-                           lowband's world topology (:mod:`lowband.decentral.state`).
-windows                    lowband's window service instead of MPI RMA: receiver threads per neighbor on
-                           a process group of their own. Consistency: a put/accumulate/get completes
-                           once applied at the destination; each op is atomic under the destination's
-                           window lock; ops from one rank to another apply in order; ``require_mutex``
-                           waits for the destination's distributed mutex (first come, first served);
-                           ``win_lock`` holds this rank's mutex and holds back incoming ops. CPU,
-                           floating-point tensors only. ``win_update``'s ``neighbor_weights`` is
-                           lowband's ``src_weights``.
-associated p               ``win_associated_p`` and ``turn_on_win_ops_with_associated_p`` raise: carry p
-                           in the window tensor (Listing 3 does); ``turn_off_...`` is a no-op.
-optimizers                 the factories return lowband's wrappers (:mod:`lowband.decentral.optimizers`)
-                           around new optimizers of the given optimizer's class (see
-                           :func:`optimizer_factory`), not instances of that class made at run time; any
-                           torch optimizer works with adapt-then-combine (no ``register_step_function``).
-                           State starts fresh as in BlueFog; ``param_groups`` are new dicts (set the LR
-                           on, and attach schedulers to, the returned optimizer). Knobs have BlueFog's
-                           names. ``model`` may be a list (wrapped in a ``ModuleList``).
-                           ``DistributedWinPutOptimizer`` ignores ``window_prefix``; free its windows
-                           with ``close()``. ``DistributedPullGetOptimizer`` and the push-sum optimizer
-                           are not provided.
-``broadcast_optimizer_``   sends the root's whole ``state_dict()`` (serialised), so other ranks' state
-``state``                  need not be initialised; BlueFog broadcasts tensor by tensor after a dummy step.
-timeline                   ``$BLUEFOG_TIMELINE`` turns lowband's tracing on at ``init``; ``shutdown``
-                           writes ``$BLUEFOG_TIMELINE<rank>.json`` (Chrome trace); ``timeline_*`` add
-                           activities to lowband's timeline while tracing is on (else return False).
-MPI queries                ``mpi_threads_supported()`` is False, ``unified_mpi_window_model_supported()``
-                           True, ``nccl_built()`` is torch's NCCL availability.
-graph builders             ``bf.ExponentialTwoGraph`` etc. are re-exported from ``topology_util`` (as the
-                           paper's Listing 1 writes them); BlueFog has them in ``topology_util`` only.
+                           ``init`` joins torch.distributed (env://) or reuses an existing lowband
+                           context (the test harness's thread-ranks).
+MPI                        no MPI and no C++ extension: torch.distributed (gloo on CPU, NCCL for CUDA
+                           tensors). ``mpi_threads_supported()`` is False,
+                           ``unified_mpi_window_model_supported()`` True, ``nccl_built()`` is torch's
+                           NCCL availability. Ops are matched by call order, not negotiated by
+                           ``name`` (a label in traces); ``set_skip_negotiate_stage(True)`` turns
+                           lowband's cross-rank argument check off. Every wait is bounded
+                           (``CommTimeoutError``). Windows are lowband's window service (a receiver
+                           thread per neighbor) instead of MPI RMA: CPU floating-point tensors, an op
+                           completes once applied at its destination, ops from one rank to another
+                           apply in order; ``win_lock`` holds back incoming ops instead of opening an
+                           MPI epoch; ``suspend``/``resume`` have no background thread to pause.
+run-time classes           the optimizer factories return lowband's wrappers (torch optimizers around
+                           new optimizers of the given class, :func:`optimizer_factory`), not instances
+                           of a class made at run time: set the LR on the returned optimizer. Any torch
+                           optimizer works with adapt-then-combine.
 =========================  ===========================================================================
 """
 
