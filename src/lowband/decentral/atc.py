@@ -42,7 +42,7 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
     backward; ``step()`` closes the iteration). ``topology`` is a static :class:`Topology` or a
     :class:`DynamicTopology`; ``machine_topology`` likewise, for
     ``CommunicationType.hierarchical_neighbor_allreduce``. See :class:`DecentralizedOptimizer` for the
-    knobs. One backward per step; every rank must use the same layers in each backward.
+    knobs. Every rank must use the same layers in each backward.
     """
 
     def __init__(

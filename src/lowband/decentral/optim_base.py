@@ -10,8 +10,10 @@ Communication is per *layer* (a module owning parameters, :func:`lowband.optim.p
 tensors of one layer travel in one fused operation (:mod:`lowband.decentral.combine`). Which operation
 is decided once per iteration, when its first layer is sent, from the knobs
 (:class:`CommunicationType` and the weights/topologies); set them before the forward pass.
-``num_steps_per_communication = J`` makes every J-th iteration a communicating one (local steps in
-between).
+``num_steps_per_communication = J`` makes communication happen once per J passes, as in BlueFog:
+adapt-with-combine and win-put count training forwards, adapt-then-combine backward passes; a ``step()``
+before the J-th pass is a local step, one after it communicates (so J steps, or J passes accumulated
+into one step, both work).
 """
 
 from __future__ import annotations
