@@ -15,7 +15,6 @@ from typing import Any
 
 from torch import nn
 
-from lowband.compress import COMPRESSORS
 from lowband.compress.gssgd import GsSGDReducer, GTopKReducer, SketchedSGDReducer, SketchingReducer
 from lowband.compress.sparse_update import SparseUpdateReducer
 from lowband.group import Group
@@ -139,26 +138,22 @@ def gtopk(
     )
 
 
-# Registered with the top-k compressor (the compression package registers its compressors before this
-# module is imported), so that the strategy list never names a strategy that cannot be built.
-if "topk" in COMPRESSORS.names():
-
-    @register_strategy("topk-allgather", "top-k S-SGD: every rank's top-k pairs allgathered, error feedback")
-    def topk_allgather(
-        model: nn.Module,
-        make_optimizer: OptimizerFactory,
-        group: Group,
-        *,
-        density: float = 0.01,
-        seed: int = 0,
-        bucket_mb: float = 25.0,
-        first_bucket_mb: float = 1.0,
-    ) -> CompressedStrategy:
-        """``compressed:compressor=topk:ratio=DENSITY,reducer=allgather`` under its own name."""
-        s = compressed(
-            model, make_optimizer, group, compressor=f"topk:ratio={density}", reducer="allgather",
-            memory="residual", bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, seed=seed,
-        )  # fmt: skip
-        assert isinstance(s, CompressedStrategy)
-        s.name = "topk-allgather"
-        return s
+@register_strategy("topk-allgather", "top-k S-SGD: every rank's top-k pairs allgathered, error feedback")
+def topk_allgather(
+    model: nn.Module,
+    make_optimizer: OptimizerFactory,
+    group: Group,
+    *,
+    density: float = 0.01,
+    seed: int = 0,
+    bucket_mb: float = 25.0,
+    first_bucket_mb: float = 1.0,
+) -> CompressedStrategy:
+    """``compressed:compressor=topk:ratio=DENSITY,reducer=allgather`` under its own name."""
+    s = compressed(
+        model, make_optimizer, group, compressor=f"topk:ratio={density}", reducer="allgather",
+        memory="residual", bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, seed=seed,
+    )  # fmt: skip
+    assert isinstance(s, CompressedStrategy)
+    s.name = "topk-allgather"
+    return s
