@@ -325,3 +325,33 @@ def test_errors_are_the_classes_bluefog_raises(n: int) -> None:
 
     for got in run_threads(fn, n):
         assert got == ["TopologyMismatchError", "TopologyTypeError", "InvalidArgumentError"], got
+
+
+#: BlueFog 0.3's signatures of the names added here (bluefog/torch/mpi_ops.py, bluefog/torch/topology_util.py);
+#: a trailing keyword-only argument is lowband's extension
+NEW_SIGNATURES = {
+    "pair_gossip": ["tensor", "target_rank", "self_weight", "pair_weight", "name"],
+    "pair_gossip_nonblocking": ["tensor", "target_rank", "self_weight", "pair_weight", "name"],
+    "suspend": [],
+    "resume": [],
+    "win_associated_p": ["name"],
+    "turn_on_win_ops_with_associated_p": [],
+    "turn_off_win_ops_with_associated_p": [],
+    "InferSourceFromDestinationRanks": ["dst_ranks", "construct_adjacency_matrix", "rank"],
+    "InferDestinationFromSourceRanks": ["src_ranks", "construct_adjacency_matrix", "rank"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_SIGNATURES))
+def test_signatures_of_the_added_names(name: str) -> None:
+    import inspect
+
+    params = inspect.signature(getattr(bf, name)).parameters
+    assert list(params) == NEW_SIGNATURES[name]
+    positional = [p for p in params.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in positional] == [n for n in NEW_SIGNATURES[name] if n != "rank"]
+    for p in positional[1:]:
+        if p.name in ("self_weight", "pair_weight", "name"):
+            assert p.default is None
+        if p.name == "construct_adjacency_matrix":
+            assert p.default is False
