@@ -176,7 +176,7 @@ def buildable(compressor: str, transport: str) -> tuple[str | None, str]:
         try:
             build_reducer(compressor + opts, transport)
         except InvalidArgumentError as exc:
-            why = str(exc)
+            why = why or str(exc)  # the defaults' reason
             continue
         return compressor + opts, ""
     return None, why
