@@ -65,8 +65,9 @@ def _train_all() -> dict[str, object]:
     RESUME_AT steps; a fresh strategy loads that checkpoint (``weights_only=True``) and trains the rest."""
     r = lowband.rank()
     out: dict[str, object] = {}
-    for spec in ("ddp", "powersgd:start_iter=3,rank=1", "localsgd:period=3"):
+    for spec in ("ddp", "ddp:hook=fp16", "powersgd:start_iter=3,rank=1", "localsgd:period=3"):
         name, opts = parse_strategy_spec(spec)
+        key = "ddp-fp16" if opts.get("hook") == "fp16" else name
         m = _model()
         s = make_strategy(name, m, _opt, **opts)
         in_sync = []
@@ -85,7 +86,7 @@ def _train_all() -> dict[str, object]:
             batch = _batch(r, k)
             s2.train_step(lambda mod, b=batch: _loss(mod, b))
         # plain lists: tensors returned from a child process would be shared through its memory
-        out[name] = {
+        out[key] = {
             "params": _flat(m).tolist(),
             "resumed": _flat(m2).tolist(),
             "state": _resume_state(s),
@@ -137,6 +138,10 @@ def test_baselines_against_oracles(n: int) -> None:
             f"DDP rank {r} != S-SGD oracle"
         )
         assert all(ddp["in_sync"])
+        # torch's fp16_compress_hook: the S-SGD oracle up to half-precision rounding, and not fp32 DDP
+        fp16 = torch.tensor(res[r]["ddp-fp16"]["params"], dtype=torch.float64)
+        assert torch.allclose(fp16, sync, atol=2e-3) and not torch.equal(fp16, sync)
+        assert res[r]["ddp-fp16"]["params"] == res[0]["ddp-fp16"]["params"]
         assert torch.allclose(
             torch.tensor(res[r]["localsgd"]["params"], dtype=torch.float64), local[r], atol=1e-10
         ), f"local SGD rank {r}"
@@ -145,7 +150,7 @@ def test_baselines_against_oracles(n: int) -> None:
         assert res[r]["powersgd"]["params"] == res[0]["powersgd"]["params"]
         assert res[r]["localsgd"]["opt_step"] == STEPS  # the averager's counter is checkpointed
         # resumed at RESUME_AT from a weights_only checkpoint: bit for bit the uninterrupted run
-        for name in ("ddp", "powersgd", "localsgd"):
+        for name in ("ddp", "ddp-fp16", "powersgd", "localsgd"):
             assert res[r][name]["resumed"] == res[r][name]["params"], f"{name} rank {r}: resume not exact"
             assert res[r][name]["resumed_state"] == res[r][name]["state"], f"{name} rank {r}: hook state"
         assert res[r]["powersgd"]["state"]["iter"] > 3 and res[r]["powersgd"]["state"]["error"]
@@ -158,6 +163,7 @@ def _bad_constructions() -> list[str]:
         ("localsgd", {"period": 0}),
         ("localsgd", {"H": 3}),
         ("powersgd", {"start_iter": 1}),
+        ("ddp", {"hook": "bf16"}),
     ):
         try:
             make_strategy(name, _model(), _opt, **opts)
@@ -174,8 +180,9 @@ def test_registry_and_errors() -> None:
         parse_strategy_spec("localsgd:period")
 
     errs = run_processes(_bad_constructions, 1, timeout=60)[0]
-    assert len(errs) == 4
+    assert len(errs) == 5
     assert "unknown strategy 'nope'" in errs[0] and "ddp" in errs[0]
     assert "period must be an int >= 1" in errs[1]
     assert "unknown option(s) ['H']" in errs[2]
     assert "start_iter must be a number >= 2" in errs[3]
+    assert "hook must be one of ['fp16', 'none'], got 'bf16'" in errs[4]

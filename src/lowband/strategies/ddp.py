@@ -3,7 +3,8 @@
 Used exactly as PyTorch ships them: DDP buckets gradients and launches each bucket's allreduce from the
 autograd engine as soon as the bucket is ready, overlapping communication with the rest of backward;
 PowerSGD replaces the bucket allreduce with torch's ``powerSGD_hook`` (low-rank compression with error
-feedback and warm start).
+feedback and warm start); ``ddp:hook=fp16`` with torch's ``fp16_compress_hook`` (half precision on the
+wire).
 
 Exact resume. DDP buckets the gradients in parameter order for its first backward and, from the second
 iteration on, in the order the first backward produced them. A DDP built to resume a checkpoint would
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
@@ -31,6 +33,10 @@ from lowband.group import Group
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.torchcomm import comm_errors
+
+#: torch's own stateless DDP comm hooks that work on gloo (``ddp:hook=fp16``); bf16_compress_hook fails
+#: on gloo in torch 2.13
+_TORCH_HOOKS: dict[str, Any] = {"none": None, "fp16": default_hooks.fp16_compress_hook}
 
 
 def _check_positive(cls: str, what: str, v: object, minimum: float = 1) -> None:
@@ -49,10 +55,18 @@ class DDPStrategy(Strategy):
         group: Group,
         *,
         bucket_cap_mb: float = 25.0,
+        hook: str = "none",
     ) -> None:
         _check_positive("DDPStrategy", "bucket_cap_mb", bucket_cap_mb, 0.001)
+        if hook not in _TORCH_HOOKS:
+            raise InvalidArgumentError(
+                f"DDPStrategy: hook must be one of {sorted(_TORCH_HOOKS)}, got {hook!r}"
+            )
         self.bucket_cap_mb = float(bucket_cap_mb)
+        self.hook = hook
         self.ddp = DistributedDataParallel(model, process_group=group.pg, bucket_cap_mb=self.bucket_cap_mb)
+        if _TORCH_HOOKS[hook] is not None:
+            self.ddp.register_comm_hook(group.pg, _TORCH_HOOKS[hook])
         super().__init__(model, make_optimizer(model.parameters()), group)
         self._ran_backward = False  # DDP has seen a backward: its buckets follow the gradient order
         self._rebucket_pending = False  # loaded from a checkpoint taken after a backward
@@ -62,7 +76,7 @@ class DDPStrategy(Strategy):
         return self.ddp
 
     def hparams(self) -> dict[str, Any]:
-        return {"bucket_cap_mb": self.bucket_cap_mb}
+        return {"bucket_cap_mb": self.bucket_cap_mb, **({"hook": self.hook} if self.hook != "none" else {})}
 
     def backward(self, loss: torch.Tensor) -> None:
         with comm_errors(self.name, "backward (DDP bucket allreduce)", self.group):
