@@ -138,6 +138,11 @@ def _errors() -> list[str]:
         except InvalidArgumentError as exc:
             errs.append(str(exc))
     other = torch.nn.Linear(2, 2)
+    momentum = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # DGC applies the momentum itself
+    try:
+        CompressedOptimizer(m, momentum, compressor="dgc:ratio=0.1", memory="dgc:momentum=0.9")
+    except InvalidArgumentError as exc:
+        errs.append(str(exc))
     for bad in (torch.optim.SGD(other.parameters(), lr=0.1), lambda ps: "adam"):
         try:
             CompressedOptimizer(m, bad)  # type: ignore[arg-type]
@@ -165,6 +170,7 @@ def test_bad_arguments() -> None:
         "'x'",
         "bucket_mb must be a number >= 0, got -2",
         "compressor, memory and seed belong to the built reducer",
+        "DGC: the optimizer's parameter group 0 has momentum=0.9",
         "the optimizer steps parameters that are not the model's",
         "optimizer must be a torch.optim.Optimizer or a factory of one, got str",
         "zero_grad() while gradients are being reduced",
@@ -172,7 +178,8 @@ def test_bad_arguments() -> None:
     ]
     assert len(errs) == len(want)
     for got, w in zip(errs, want):
-        assert got.startswith("lowband.CompressedOptimizer on rank 0: ") and w in got, got
+        assert w in got, got
+        assert got.startswith("lowband.CompressedOptimizer on rank 0: ") or got.startswith("DGC:"), got
 
 
 def _save_grid() -> dict[str, Any]:

@@ -28,6 +28,7 @@ from torch import nn
 
 from lowband.comm.collectives import broadcast
 from lowband.compress.base import Compressor
+from lowband.compress.dgc import DGCMemory, check_optimizer
 from lowband.compress.reducer import CompressedReducer, Timings
 from lowband.compress.reshard import reshard_reducer_states
 from lowband.compress.specs import build_reducer
@@ -89,6 +90,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         owned = {id(p) for p in model.parameters()}
         if any(id(p) not in owned for grp in inner.param_groups for p in grp["params"]):
             raise InvalidArgumentError(f"{where}: the optimizer steps parameters that are not the model's")
+        if isinstance(self.reducer.memory, DGCMemory):  # before any communication
+            check_optimizer(inner)
         units = model_units(model, self.bucket_mb, self.first_bucket_mb)
         self.stage = GradientStage(
             units, self.reducer, group=g, accumulate=accumulate, where="CompressedOptimizer"

@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from lowband.compress.base import check_option_types
+from lowband.compress.dgc import DGCMemory, check_optimizer
 from lowband.compress.reducer import CompressedReducer
 from lowband.compress.specs import build_reducer, describe_reducer
 from lowband.errors import InvalidArgumentError
@@ -57,6 +58,8 @@ class CompressedStrategy(StageStrategy):
         super().__init__(
             model, make_optimizer, group, reducer, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
         )
+        if isinstance(reducer.memory, DGCMemory):  # the same on every rank: no rank is left waiting
+            check_optimizer(self.optimizer)
 
     def hparams(self) -> dict[str, Any]:
         d = describe_reducer(self.reducer)
