@@ -114,6 +114,7 @@ def test_config_validation() -> None:
         ({"rounds": 2, "warmup_rounds": 2}, "warmup_rounds"),
         ({"world_size": 4, "ranks_per_machine": 3}, "must divide"),
         ({"mode": "wifi"}, "mode must be"),
+        ({"eval_items": -1}, "eval_items must be an int >= 0"),
     ):
         with pytest.raises(InvalidArgumentError, match=msg):
             BenchConfig(**bad).validate()  # type: ignore[arg-type]

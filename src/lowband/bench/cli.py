@@ -73,6 +73,10 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--target-loss", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--eval-items", type=int, default=dflt.eval_items,
+        help=f"held-out items evaluated after each round (default {dflt.eval_items}; 0 = the whole test set)",
+    )  # fmt: skip
     p.add_argument("--out", default=None, help="output folder (default results/<command>-<time>)")
     p.add_argument(
         "--force", action="store_true",
@@ -113,6 +117,7 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
         lr=ns.lr,
         target_loss=ns.target_loss,
         seed=ns.seed,
+        eval_items=ns.eval_items,
         out_dir=out,
         **extra,  # type: ignore[arg-type]
     )

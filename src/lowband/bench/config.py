@@ -35,6 +35,7 @@ class BenchConfig:
     steps_per_round: int = 20
     #: the first ``warmup_rounds`` rounds train but are left out of the timing statistics
     warmup_rounds: int = 1
+    #: held-out items evaluated after each round (0: the whole test set)
     eval_items: int = 500
     seed: int = 0
     target_loss: float | None = None
@@ -57,6 +58,8 @@ class BenchConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
+        if isinstance(self.eval_items, bool) or not isinstance(self.eval_items, int) or self.eval_items < 0:
+            raise bad(f"eval_items must be an int >= 0 (0: the whole test set), got {self.eval_items!r}")
         if not 0 <= self.warmup_rounds < self.rounds:
             raise bad(f"warmup_rounds must be in [0, rounds) = [0, {self.rounds}), got {self.warmup_rounds}")
         if self.collectives is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -106,35 +107,38 @@ def plot_breakdown(summary: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in summary["strategies"].values() if r.get("breakdown")]
-    fig, ax = plt.subplots(figsize=(max(6, 1.9 * len(rows)) + 3.5, 4.8))
-    labels = [tick_label(str(r["label"])) for r in rows]
+    # horizontal bars: one row per strategy, its whole label readable beside it (first strategy on top)
+    labels = [textwrap.fill(str(r["label"]), 64, break_long_words=False) for r in rows]
+    height = sum(0.16 * (lab.count("\n") + 1) + 0.3 for lab in labels) + 1.6
+    fig, ax = plt.subplots(figsize=(12, max(3.5, height)))
+    ys = list(range(len(rows)))[::-1]
     colors = {"compute_s": "tab:green", "compression_s": "tab:orange", "comm_s": "tab:red"}
     names = {"compute_s": "computation", "compression_s": "compression (critical path)",
              "comm_s": "communication not overlapped"}  # fmt: skip
-    ax.bar(labels, [0.0] * len(rows))  # fixes the strategies' order on the axis
-    bottom = [0.0] * len(rows)
+    left = [0.0] * len(rows)
     for part in ("compute_s", "compression_s", "comm_s"):
         for measured in (True, False):
-            xs, hs, bs = [], [], []
+            yy, ws, ls = [], [], []
             for i, r in enumerate(rows):
                 b = r["breakdown"]
                 if (b["source"] == "measured") != measured or b[part] is None:
                     continue
-                xs.append(labels[i])
-                hs.append(b[part] * 1e3)
-                bs.append(bottom[i])
-                bottom[i] += b[part] * 1e3
-            if xs:
-                ax.bar(xs, hs, bottom=bs, color=colors[part], alpha=1.0 if measured else 0.45,
-                       hatch=None if measured else "//", edgecolor="white" if measured else "grey",
-                       label=names[part] + ("" if measured else " (inferred: compute-only run)"))  # fmt: skip
-    ax.scatter(labels, [r["iter_time_median"] * 1e3 for r in rows], color="black", marker="_", s=900,
+                yy.append(ys[i])
+                ws.append(b[part] * 1e3)
+                ls.append(left[i])
+                left[i] += b[part] * 1e3
+            if yy:
+                ax.barh(yy, ws, left=ls, height=0.7, color=colors[part], alpha=1.0 if measured else 0.45,
+                        hatch=None if measured else "//", edgecolor="white" if measured else "grey",
+                        label=names[part] + ("" if measured else " (inferred: compute-only run)"))  # fmt: skip
+    ax.scatter([r["iter_time_median"] * 1e3 for r in rows], ys, color="black", marker="|", s=400,
                zorder=3, label="iteration time (job pace, median)")  # fmt: skip
-    ax.set_ylabel("ms per step")
-    ax.tick_params(axis="x", labelsize=8)
+    ax.set_yticks(ys, labels, fontsize=7)
+    ax.set_xlabel("ms per step")
     ax.set_title(f"where a step's time goes\n{title}", fontsize=9)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
+    handles, names_ = ax.get_legend_handles_labels()
+    fig.legend(handles, names_, fontsize=7, loc="lower center", ncol=3)
+    fig.tight_layout(rect=(0, 0.9 / max(3.5, height), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

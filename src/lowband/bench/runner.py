@@ -154,7 +154,12 @@ def run_bench(
     table = markdown_table(summary, raw["unit"])
     header = (
         f"### {title}\n\n{raw['workload']}; batch {raw['batch_size']}/rank; {cfg.rounds} rounds x "
-        f"{cfg.steps_per_round} steps per strategy, alternated, first {cfg.warmup_rounds} round(s) untimed"
+        f"{cfg.steps_per_round} steps per strategy, alternated, first {cfg.warmup_rounds} round(s) untimed; "
+        + (
+            "evaluated on the whole test set"
+            if cfg.eval_items == 0
+            else f"evaluated on {cfg.eval_items} held-out items"
+        )
         + ("" if shaped else "\n\n**UNSHAPED** (loopback): " + tb.reason)
     )
     md = f"{header}\n\n{table}\n"

@@ -142,7 +142,7 @@ def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) 
 def _evaluate(run: Run, wl: Workload, cfg: BenchConfig, rnd: int) -> None:
     s = run.strategy
     model = s.average_model(wl.build_model(cfg.seed)) if s.shards else s.local_module
-    res = wl.evaluate(model, max_items=cfg.eval_items)
+    res = wl.evaluate(model, max_items=cfg.eval_items or 2**62)  # 0: the whole test set
     acc = -1.0 if res.accuracy is None else res.accuracy
     vals = lowband.allreduce(torch.tensor([res.loss, acc], dtype=torch.float64)).tolist()
     run.evals.append(
