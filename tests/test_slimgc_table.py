@@ -62,6 +62,10 @@ def test_table_matches_reference(sizes: list[int], steps: int, seed: int) -> Non
     best = table.best_threshold()
     above = [r.size for r in table.rows if r.t_c / (r.t_cq + r.t_pq) > 1]
     assert best == (min(above) if above else math.inf)
+    # stable: the smallest size from which every larger size pays off
+    stable = table.best_threshold("stable")
+    suffix = [r.size for k, r in enumerate(table.rows) if all(q.ratio > 1 for q in table.rows[k:])]
+    assert stable == (min(suffix) if suffix else math.inf) and stable >= best
 
 
 def _table(*rows: tuple[int, float, float, float]) -> ThresholdTable:
@@ -80,6 +84,13 @@ def test_best_threshold_rule_and_edges() -> None:
     assert _table((10, 3.0, 1.0, 0.5), (20, 4.0, 0.9, 0.2)).best_threshold() == 10
     # the first size above 1 wins even if a larger one falls back below (the paper's scan)
     assert _table((10, 1.0, 2.0, 0.1), (20, 3.0, 1.0, 0.1), (30, 1.0, 1.0, 0.1)).best_threshold() == 20
+    # the stable rule: one noisy small size does not switch compression on for larger ones
+    noisy = _table((10, 1.0, 2.0, 0.1), (20, 3.0, 1.0, 0.1), (30, 1.0, 1.0, 0.1), (40, 3.0, 1.0, 0.1))
+    assert noisy.best_threshold("stable") == 40 and noisy.best_threshold("paper") == 20
+    assert fig6.best_threshold("stable") == 2_200_000
+    assert _table((10, 1.0, 1.0, 0.5)).best_threshold("stable") == math.inf
+    with pytest.raises(InvalidArgumentError, match="rule must be"):
+        fig6.best_threshold("median")
     # exactly 1 is no benefit; a zero cost is an infinite benefit
     assert _table((10, 1.5, 1.0, 0.5)).best_threshold() == math.inf
     assert _table((10, 1.0, 0.0, 0.0)).best_threshold() == 10

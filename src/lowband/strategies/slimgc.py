@@ -4,6 +4,9 @@ switchable for the ablation:
 
 - ``comm_threshold`` (``auto`` | bytes | ``0`` | ``inf``): the communication threshold table; ``auto``
   measures BestCT in a warm-up of ``pre_steps`` steps, ``0`` compresses every tensor, ``inf`` none;
+  ``bestct_rule``: ``stable`` (default: the smallest size from which every larger size pays off) or
+  ``paper`` (Algorithm 2: the smallest size that pays off; one noisy small tensor can then switch
+  compression on for every larger one);
 - ``offload``: compression on a worker thread fed from the backward hooks (else inline, on the
   training thread, in the hooks);
 - ``backup``: the model backup of Eq. 8 (the next step starts from the last global weights updated
@@ -62,6 +65,7 @@ class SlimGCStrategy(Strategy):
         fuse_mb: float,
         memory: str,
         seed: int,
+        bestct_rule: str = "stable",
     ) -> None:
         where = f"{type(self).__name__} on rank {group.rank}"
         threshold = parse_comm_threshold(where, comm_threshold)
@@ -91,6 +95,7 @@ class SlimGCStrategy(Strategy):
             pre_steps=pre_steps,
             fuse_bytes=int(fuse_mb * 2**20),
             copy_grads=backup,
+            bestct_rule=bestct_rule,
         )
         self.stage = GradientStage(units, self.reducer, group=group, where=type(self).__name__)
         # compression on the training thread: all of it inline, none of it offloaded
@@ -226,6 +231,7 @@ def slimgc(
     fuse_mb: float = 1.0,
     memory: str = "residual",
     seed: int = 0,
+    bestct_rule: str = "stable",
 ) -> SlimGCStrategy:
     return SlimGCStrategy(
         model,
@@ -241,4 +247,5 @@ def slimgc(
         fuse_mb=fuse_mb,
         memory=memory,
         seed=seed,
+        bestct_rule=bestct_rule,
     )

@@ -79,7 +79,8 @@ class _Round:
 
 class SlimGCReducer(Reducer):
     """See the module docstring. ``threshold`` is a fixed BestCT in bytes (0: compress all, inf: none)
-    or None to measure it in a warm-up of ``pre_steps`` rounds. ``copy_grads`` makes each unit's
+    or None to measure it in a warm-up of ``pre_steps`` rounds (BestCT by ``bestct_rule``, see
+    :meth:`~lowband.compress.slimgc.table.ThresholdTable.best_threshold`). ``copy_grads`` makes each unit's
     reduction work on copies (the gradients in ``.grad`` stay this rank's own, for the model backup)."""
 
     def __init__(
@@ -92,8 +93,14 @@ class SlimGCReducer(Reducer):
         pre_steps: int,
         fuse_bytes: int,
         copy_grads: bool,
+        bestct_rule: str = "stable",
     ) -> None:
         where = type(self).__name__
+        if bestct_rule not in ("paper", "stable"):
+            raise InvalidArgumentError(
+                f"{where}: bestct_rule must be 'paper' or 'stable', got {bestct_rule!r}"
+            )
+        self.bestct_rule = bestct_rule
         if threshold is None and (
             isinstance(pre_steps, bool) or not isinstance(pre_steps, int) or pre_steps < 2
         ):
@@ -233,7 +240,7 @@ class SlimGCReducer(Reducer):
             packed = allreduce(torch.stack([-comm, comp]), "max", name="slimgc-table", group=group)
             comm, comp = -packed[0], packed[1]
         self.table = build_table(self.sizes, comm, comp)
-        best = self.table.best_threshold()
+        best = self.table.best_threshold(self.bestct_rule)
         code = torch.tensor([-1 if math.isinf(best) else int(best)], dtype=torch.int64)
         if group.size > 1:
             code = broadcast(code, 0, name="slimgc-bestct", group=group)
@@ -256,6 +263,10 @@ class SlimGCReducer(Reducer):
         }
         if self.table is not None:
             out["threshold_table"] = [{k: _json_number(v) for k, v in r.items()} for r in self.table.report()]
+            out["bestct_rule"] = self.bestct_rule
+            out["best_ct_by_rule"] = {
+                r: _json_number(self.table.best_threshold(r)) for r in ("paper", "stable")
+            }
         return out
 
     def state_dict(self) -> dict[str, Any]:

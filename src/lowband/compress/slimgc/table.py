@@ -7,8 +7,10 @@ and unit, the communication time and, on compressed steps, the compression time.
 averages them per unit over the warm-up (Algorithm 1, line 11), then per tensor size, into
 :class:`Row`\\ s: ``t_c`` (full precision), ``t_cq`` (compressed communication), ``t_pq`` (compression +
 decompression) and the benefit ratio ``t_c / (t_cq + t_pq)``. :meth:`ThresholdTable.best_threshold` is
-BestCT, the smallest size whose ratio exceeds 1 (Algorithm 2, line 1); units of at least BestCT bytes
-are compressed, smaller ones go in full precision (:func:`compress_mask`).
+BestCT, the smallest size whose ratio exceeds 1 (Algorithm 2, line 1: ``rule="paper"``), or, by default
+in the strategy, the smallest size from which every larger size's ratio exceeds 1 (``rule="stable"``,
+robust to one noisy small tensor); units of at least BestCT bytes are compressed, smaller ones go in
+full precision (:func:`compress_mask`).
 
 Edge cases the paper leaves open: no size with a ratio above 1 gives BestCT = inf (compression never
 paid off: nothing is compressed); every size above 1 gives the smallest size (everything compressed).
@@ -85,12 +87,30 @@ class ThresholdTable:
 
     rows: tuple[Row, ...]
 
-    def best_threshold(self) -> float:
-        """BestCT: the smallest size with a ratio above 1; inf when there is none."""
-        for r in self.rows:
-            if r.ratio > 1.0:
-                return float(r.size)
-        return INF
+    def best_threshold(self, rule: str = "paper") -> float:
+        """BestCT; inf when compression never pays off.
+
+        - ``"paper"`` (Algorithm 2, line 1): the smallest size with a ratio above 1;
+        - ``"stable"``: the smallest size from which every larger size has a ratio above 1. One noisy
+          small tensor whose ratio happens to exceed 1 (a warm-up of a few steps on a shared machine
+          measures milliseconds with jitter of the same order) then cannot switch compression on for
+          every larger tensor whose own measurement says it does not pay.
+        """
+        if rule == "paper":
+            for r in self.rows:
+                if r.ratio > 1.0:
+                    return float(r.size)
+            return INF
+        if rule == "stable":
+            best = INF
+            for r in reversed(self.rows):
+                if r.ratio <= 1.0:
+                    break
+                best = float(r.size)
+            return best
+        raise InvalidArgumentError(
+            f"ThresholdTable.best_threshold: rule must be 'paper' or 'stable', got {rule!r}"
+        )
 
     def report(self) -> list[dict[str, float]]:
         """The rows as plain dicts (for the bench's results), with their ratio."""
