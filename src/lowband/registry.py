@@ -88,3 +88,31 @@ class Registry(Generic[T]):
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}: {', '.join(self.names())})"
+
+
+def parse_spec(spec: str, what: str, *, semicolons: bool = False) -> tuple[str, dict[str, Any]]:
+    """``"name:key=value,key=value"`` -> ``(name, {key: value})``, values parsed as int, float (``inf``
+    too), bool (``true``/``false``) or str. With ``semicolons``, ``;`` separates options as ``,`` does
+    (a compressor spec nested in a strategy's option: ``compressor=qsgd:levels=16;bucket=512``)."""
+    if not isinstance(spec, str):
+        raise InvalidArgumentError(f"{what} spec must be a str, got {type(spec).__name__}")
+    name, _, rest = spec.partition(":")
+    if semicolons:
+        rest = rest.replace(";", ",")
+    options: dict[str, Any] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise InvalidArgumentError(f"{what} spec {spec!r}: expected name:key=value,key=value")
+        options[key.strip()] = parse_value(value.strip())
+    return name.strip(), options
+
+
+def parse_value(v: str) -> Any:
+    """A spec's option value: int, float (``inf`` included), bool or, failing those, the string."""
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(v.lower(), v)

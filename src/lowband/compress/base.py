@@ -31,6 +31,7 @@ import torch
 
 from lowband.errors import InvalidArgumentError
 from lowband.registry import Registry
+from lowband.registry import parse_spec as registry_parse_spec
 
 Tensor = torch.Tensor
 
@@ -147,28 +148,7 @@ def parse_spec(spec: str, what: str = "compressor") -> tuple[str, dict[str, Any]
     ``;`` may separate options too (``"qsgd:levels=16;bucket=512"``, for a spec nested in another)."""
     if not isinstance(spec, str) or not spec.strip():
         raise InvalidArgumentError(f"{what} spec must be a non-empty str, got {spec!r}")
-    name, _, rest = spec.partition(":")
-    options: dict[str, Any] = {}
-    for item in filter(None, rest.replace(";", ",").split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise InvalidArgumentError(f"{what} spec {spec!r}: expected name:key=value,key=value")
-        options[key.strip()] = _parse_value(value.strip())
-    return name.strip(), options
-
-
-def _parse_value(v: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    low = v.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    if low in ("inf", "+inf"):
-        return float("inf")
-    return v
+    return registry_parse_spec(spec, what, semicolons=True)
 
 
 def make_compressor(spec: str | Compressor, **options: Any) -> Compressor:

@@ -7,9 +7,8 @@ from typing import Any
 
 from torch import nn
 
-from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.registry import Registry
+from lowband.registry import Registry, parse_spec
 from lowband.runtime import world_group
 from lowband.strategies.base import OptimizerFactory, Strategy
 
@@ -33,24 +32,8 @@ def describe_strategies() -> dict[str, str]:
 
 
 def parse_strategy_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"localsgd:period=5"`` -> ``("localsgd", {"period": 5})`` (values parsed as int, float or str)."""
-    name, _, rest = spec.partition(":")
-    options: dict[str, Any] = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise InvalidArgumentError(f"strategy spec {spec!r}: expected name:key=value,key=value")
-        options[key.strip()] = _parse_value(value.strip())
-    return name.strip(), options
-
-
-def _parse_value(v: str) -> Any:
-    for cast in (int, float):
-        try:
-            return cast(v)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(v.lower(), v)
+    """``"localsgd:period=5"`` -> ``("localsgd", {"period": 5})`` (values parsed as int, float, bool or str)."""
+    return parse_spec(spec, "strategy")
 
 
 def make_strategy(
