@@ -24,8 +24,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lowband.compress.reducer import Timings
 from lowband.optim.stage import GradientStage
+from lowband.strategies.base import LossFn, Strategy
 
 PARTS = ("compute_s", "compression_s", "comm_s")
 
@@ -86,3 +89,21 @@ class StepClock:
         }
         out["mean"] = {k: statistics.fmean(v) if v else None for k, v in self.steps.items()}
         return out
+
+
+class ClockedStrategy(Strategy):
+    """A strategy whose training steps :attr:`clock` times (subclasses set it in their constructor and
+    call ``self.clock.wait_done()`` where their step has waited for its reductions)."""
+
+    clock: StepClock
+
+    def train_step(self, loss_fn: LossFn) -> float:
+        self.clock.start(self.steps)
+        try:
+            return super().train_step(loss_fn)
+        finally:
+            self.clock.stop()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        super().backward(loss)
+        self.clock.backward_done()

@@ -34,8 +34,8 @@ from lowband.group import Group
 from lowband.optim.reducer import Unit, parameter_names
 from lowband.optim.stage import GradientStage
 from lowband.runtime import current
-from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
-from lowband.strategies.breakdown import StepClock
+from lowband.strategies.base import OptimizerFactory
+from lowband.strategies.breakdown import ClockedStrategy, StepClock
 from lowband.strategies.registry import register_strategy
 
 
@@ -44,7 +44,7 @@ def parameter_units(model: nn.Module) -> list[Unit]:
     return [Unit(n, (n,), (p,)) for p, n in parameter_names(model).items() if p.requires_grad]
 
 
-class SlimGCStrategy(Strategy):
+class SlimGCStrategy(ClockedStrategy):
     """See the module docstring."""
 
     name = "slimgc"
@@ -111,17 +111,6 @@ class SlimGCStrategy(Strategy):
         super().__init__(model, optimizer, group)
 
     # -- the training step -------------------------------------------------------------------------
-    def train_step(self, loss_fn: LossFn) -> float:
-        self.clock.start(self.steps)
-        try:
-            return super().train_step(loss_fn)
-        finally:
-            self.clock.stop()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
-        self.clock.backward_done()
-
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from lowband.comm.collectives import broadcast
@@ -18,12 +17,12 @@ from lowband.group import Group
 from lowband.optim.reducer import AllreduceReducer, Reducer
 from lowband.optim.stage import GradientStage
 from lowband.optim.units import check_bucket_mb, model_units
-from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
-from lowband.strategies.breakdown import StepClock
+from lowband.strategies.base import OptimizerFactory
+from lowband.strategies.breakdown import ClockedStrategy, StepClock
 from lowband.strategies.registry import register_strategy
 
 
-class StageStrategy(Strategy):
+class StageStrategy(ClockedStrategy):
     """A reducer on the gradient stage, then the torch optimizer on the whole model.
 
     Its :meth:`report` holds the per-step breakdown of the training thread's time (computation,
@@ -52,17 +51,6 @@ class StageStrategy(Strategy):
             self.stage, reducer.timings if isinstance(reducer, CompressedReducer) else None
         )
         super().__init__(model, make_optimizer(model.parameters()), group)
-
-    def train_step(self, loss_fn: LossFn) -> float:
-        self.clock.start(self.steps)
-        try:
-            return super().train_step(loss_fn)
-        finally:
-            self.clock.stop()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
-        self.clock.backward_done()
 
     def step(self) -> None:
         self.stage.wait()
