@@ -34,4 +34,11 @@ def run_example(
         env = runpy.run_path(str(path), run_name="__main__")
         return {k: env[k] for k in keys}
 
-    return run_threads(fn, n, timeout=120)
+    # run_path swaps sys.modules["__main__"] for the program and puts back what it found; ranks running
+    # concurrently put back each other's program, which would stay as this process's __main__ (and be
+    # re-imported by every process spawned later). Restore the real one.
+    main = sys.modules["__main__"]
+    try:
+        return run_threads(fn, n, timeout=120)
+    finally:
+        sys.modules["__main__"] = main
