@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lowband
-from lowband.compress import TRANSPORTS, build_reducer
+from lowband.compress import build_reducer
 from lowband.errors import InvalidArgumentError
 from lowband.strategies import CompressedStrategy, make_strategy, parse_strategy_spec
 from lowband.testing import run_threads
@@ -97,14 +97,6 @@ def test_non_summable_format_refused_by_allreduce() -> None:
         InvalidArgumentError, match="here: AllreduceCompressedReducer: compressor 'grid' is not summable"
     ):
         build_reducer(Grid(), "allreduce", where="here")
-
-
-@pytest.mark.skipif("allgather" in TRANSPORTS, reason="the allgather transport is registered")
-def test_auto_names_the_missing_transport() -> None:
-    with pytest.raises(
-        InvalidArgumentError, match="here: reducer='auto': compressor 'grid' needs the 'allgather'"
-    ):
-        build_reducer(Grid(), "auto", where="here")
 
 
 def _timed(spec: str) -> dict[str, Any]:

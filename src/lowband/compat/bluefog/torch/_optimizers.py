@@ -140,8 +140,10 @@ def DistributedWinPutOptimizer(
     num_steps_per_communication: int = 1,
     window_prefix: str | None = None,
 ) -> BlueFogWinPutOptimizer:
-    """Asynchronous: after each local step every parameter is put into the out-neighbors' windows and
-    combined with what has arrived, never waiting for a neighbor. Knobs ``dst_weights`` (and lowband's
+    """Asynchronous, in BlueFog's order: the J-th forward (``num_steps_per_communication``) puts every
+    parameter into the out-neighbors' windows; ``step()`` waits for those puts, combines each parameter
+    with what has arrived (``win_update`` under the mutex), then takes the local step; it never waits for
+    a neighbor to reach a step. Knobs ``dst_weights`` (and lowband's
     ``self_weight``/``src_weights``, ``require_mutex``) and ``force_barrier``. ``window_prefix`` is accepted
     for compatibility: lowband names each optimizer's windows uniquely itself. Call ``close()`` (on every
     rank) to free the windows."""
