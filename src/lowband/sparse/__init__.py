@@ -1,0 +1,1 @@
+"""Sparse (embedding) training: partitioned tables, their exchange and scheduling."""
