@@ -71,11 +71,11 @@ def _oracle_gs(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every step's update and rank 0's residual, rebuilt in one process from every rank's gradients."""
     ref = (SketchedSGDReducer if central else GsSGDReducer)(**opts)
-    k = ref.k_for(D)
-    sk = CountSketch(D, ref.rows, ref.cols_for(D), seed=ref.unit_seed(UNIT.key))
     e = [torch.zeros(D) for _ in range(n)]
     out = []
     for step in range(steps):
+        k = ref.k_for(D, step)  # the warm-up's k while it lasts, with a sketch of its own size
+        sk = CountSketch(D, ref.rows, ref.cols_for(D, step), seed=ref.unit_seed(UNIT.key))
         p = [_flat(_grads(r, step, integer=True)) + e[r] for r in range(n)]
         table = sum(sk.sketch(x) for x in p)
         m = candidates(k, ref.oversample, D)
@@ -99,6 +99,8 @@ GS_CASES = [
     ("gs-sgd", {"k": 9, "rows": 1, "cols": 5}),
     ("sketched-sgd", {"density": 0.2, "rows": 3, "cols": 8}),
     ("sketched-sgd", {"k": 7, "oversample": 3.0}),
+    ("gs-sgd", {"density": 0.1, "warmup": "0.5/0.3", "warmup_steps": 1}),
+    ("sketched-sgd", {"k": 4, "warmup": "0.6", "warmup_steps": 2}),
 ]
 
 
@@ -107,8 +109,8 @@ GS_CASES = [
 def test_sketched_reducers_against_the_oracle(n: int, kind: str, opts: dict[str, Any]) -> None:
     res = run_threads(_steps, n, kind, opts, 4, True, torch.float32, timeout=60)
     ref = _oracle_gs(n, opts, 4, kind == "sketched-sgd")
-    k = _make(kind, opts).k_for(D)  # type: ignore[attr-defined]
     for step, (upd, e0) in enumerate(ref):
+        k = _make(kind, opts).k_for(D, step)  # type: ignore[attr-defined]
         assert torch.equal(res[0][step]["after"], e0), f"step {step}: rank 0's residual"
         for r in range(n):
             got = res[r][step]
@@ -124,6 +126,7 @@ CONSERVING = [
     ("gtopk", {"k": 5, "momentum": 0.9, "masking": True}),
     ("gs-sgd", {"k": 5, "momentum": 0.5}),
     ("topk-allgather", {"density": 0.15}),
+    ("gtopk", {"density": 0.1, "warmup": "paper", "warmup_steps": 1}),
 ]
 
 
@@ -234,6 +237,12 @@ def test_momentum_masking() -> None:
         (SketchedSGDReducer, {"momentum": 2.0}),
         (GTopKReducer, {"masking": 1}),
         (GTopKReducer, {"k": -1}),
+        (GsSGDReducer, {"warmup": "0.25/x", "warmup_steps": 1}),
+        (GsSGDReducer, {"warmup": "0.25/0", "warmup_steps": 1}),
+        (GsSGDReducer, {"warmup": "0.25/1.5", "warmup_steps": 1}),
+        (GsSGDReducer, {"warmup": "0.25"}),
+        (GTopKReducer, {"warmup": "paper", "warmup_steps": -1}),
+        (SketchedSGDReducer, {"warmup": 0.25, "warmup_steps": 1}),
     ],
 )
 def test_bad_options(cls: type, opts: dict[str, Any]) -> None:
@@ -246,3 +255,16 @@ def test_k_and_default_columns() -> None:
     assert red.k_for(1000) == 10 and red.k_for(1) == 1 and red.cols_for(100_000) == 10_000
     assert GsSGDReducer(k=50).k_for(20) == 20 and GsSGDReducer(k=50).cols_for(20) == 4
     assert GsSGDReducer(cols=77).cols_for(10**6) == 77
+
+
+def test_warmup_schedule() -> None:
+    red = GsSGDReducer(density=0.001, warmup="paper", warmup_steps=3)
+    ks = [red.k_for(100_000, step) for step in range(14)]
+    assert ks == [25_000] * 3 + [7_250] * 3 + [1_500] * 3 + [400] * 3 + [100] * 2
+    assert red.k_for(100_000) == 100  # no step: the steady state
+    assert red.cols_for(100_000, 0) == 20_000 and red.cols_for(100_000, 12) == 1_000  # capped at d / rows
+    assert red.densities() == [0.25, 0.0725, 0.015, 0.004, None]
+    assert red.options()["warmup"] == "0.25/0.0725/0.015/0.004" and red.options()["warmup_steps"] == 3
+    fixed_k = GTopKReducer(k=7, warmup=[0.5], warmup_steps=2)
+    assert [fixed_k.k_for(40, s) for s in range(4)] == [20, 20, 7, 7]
+    assert "warmup" not in GsSGDReducer().options()

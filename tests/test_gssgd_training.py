@@ -100,6 +100,7 @@ RESUME = [
     ("sketched-sgd", {"density": 0.2, "momentum": 0.9, "masking": True}),
     ("gtopk", {"density": 0.1}),
     ("topk-allgather", {"density": 0.2}),
+    ("gs-sgd", {"density": 0.05, "rows": 3, "warmup": "0.5/0.2", "warmup_steps": 2}),  # resumed mid-warm-up
 ]
 
 

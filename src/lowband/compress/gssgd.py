@@ -29,12 +29,15 @@ Defaults the papers leave open: 5 rows; ``cols=0`` means ``10 k`` columns (Sketc
 runs), at most ``ceil(numel / rows)`` so a sketch is never larger than the gradient; the hash tables of a
 unit are seeded from ``(seed, unit)`` and their checksum is agreed across ranks (:func:`lowband.agree`)
 when the strategy is built (:meth:`SketchingReducer.prepare`; else the first time the unit is reduced).
+A warm-up density (``warmup=``, :mod:`~lowband.compress.sparse_update`) with another ``k`` has its own
+sketch of ``10 k`` columns, built and agreed at the same time.
 Later rounds run in ``wait()`` (see :func:`lowband.comm.tree.itree`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -82,30 +85,44 @@ class SketchingReducer(SparseUpdateReducer):
         momentum: float,
         masking: bool,
         seed: int,
+        warmup: str | Sequence[float] = "",
+        warmup_steps: int = 0,
     ) -> None:
-        super().__init__(density=density, k=k, momentum=momentum, masking=masking, seed=seed)
+        super().__init__(
+            density=density, k=k, momentum=momentum, masking=masking, seed=seed, warmup=warmup,
+            warmup_steps=warmup_steps,
+        )  # fmt: skip
         where = type(self).__name__
         check_number(where, "rows", rows, 1, 64, integer=True)
         check_number(where, "cols", cols, 0, 2**31 - 1, integer=True)
         check_number(where, "oversample", oversample, 1.0, 1e6)
         self.rows, self.cols, self.oversample = rows, cols, float(oversample)
         self.recovery = _choice(where, "recovery", recovery, RECOVERIES)
-        self._sketches: dict[str, CountSketch] = {}
+        self._sketches: dict[tuple[str, int], CountSketch] = {}
 
-    def cols_for(self, numel: int) -> int:
+    def cols_for(self, numel: int, step: int | None = None, *, density: float | None = None) -> int:
+        """Columns of a unit's sketch: ``cols``, else ``10 k`` for the ``k`` of ``step`` (or of
+        ``density``), at most ``ceil(numel / rows)``."""
         if self.cols > 0:
             return self.cols
-        return max(1, min(10 * self.k_for(numel), -(-numel // self.rows)))
+        return max(1, min(10 * self.k_for(numel, step, density=density), -(-numel // self.rows)))
 
     def prepare(self, units: list[Unit], group: Group) -> None:
-        """Build (and agree on) every unit's tables now rather than at the unit's first reduction."""
+        """Build (and agree on) every unit's tables now rather than at the unit's first reduction: one
+        sketch per distinct size (a warm-up density may need its own)."""
         for u in units:
-            self.sketch_for(u, sum(p.numel() for p in u.params), group)
+            numel = sum(p.numel() for p in u.params)
+            for d in self.densities():
+                self.sketch_for(u, numel, group, cols=self.cols_for(numel, density=d))
 
-    def sketch_for(self, unit: Unit, numel: int, group: Group) -> CountSketch:
-        sk = self._sketches.get(unit.key)
+    def sketch_for(
+        self, unit: Unit, numel: int, group: Group, step: int | None = None, *, cols: int | None = None
+    ) -> CountSketch:
+        """The unit's sketch with ``cols`` columns (default: those of reduction ``step``)."""
+        c = self.cols_for(numel, step) if cols is None else cols
+        sk = self._sketches.get((unit.key, c))
         if sk is None or sk.d != numel:
-            sk = CountSketch(numel, self.rows, self.cols_for(numel), seed=self.unit_seed(unit.key))
+            sk = CountSketch(numel, self.rows, c, seed=self.unit_seed(unit.key))
             agree(
                 group,
                 f"the CountSketch tables of unit {unit.key!r}",
@@ -113,7 +130,7 @@ class SketchingReducer(SparseUpdateReducer):
                 fields=("the unit's size", "rows", "columns", "the tables' checksum"),
                 where=f"lowband.{self.name} on rank {group.rank}",
             )
-            self._sketches[unit.key] = sk
+            self._sketches[(unit.key, c)] = sk
         return sk
 
     def recover(self, sk: CountSketch, table: Tensor, m: int, unit: Unit, step: int) -> Tensor:
@@ -152,18 +169,20 @@ class GsSGDReducer(SketchingReducer):
         momentum: float = 0.0,
         masking: bool = False,
         seed: int = 0,
+        warmup: str | Sequence[float] = "",
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__(
             rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
-            momentum=momentum, masking=masking, seed=seed,
+            momentum=momentum, masking=masking, seed=seed, warmup=warmup, warmup_steps=warmup_steps,
         )  # fmt: skip
         self.reduce_by = _choice(type(self).__name__, "reduce", reduce, REDUCES)
 
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
         t0 = time.perf_counter()
         g = ctx.group
-        st = self.begin(unit, grads)
-        sk = self.sketch_for(unit, st.p.numel(), g)
+        st = self.begin(unit, grads, ctx.step)
+        sk = self.sketch_for(unit, st.p.numel(), g, ctx.step)
         table = sk.sketch(st.p)
         self.timings.compress_s += time.perf_counter() - t0
         self.timings.units += 1
@@ -206,17 +225,19 @@ class SketchedSGDReducer(SketchingReducer):
         momentum: float = 0.0,
         masking: bool = False,
         seed: int = 0,
+        warmup: str | Sequence[float] = "",
+        warmup_steps: int = 0,
     ) -> None:
         super().__init__(
             rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
-            momentum=momentum, masking=masking, seed=seed,
+            momentum=momentum, masking=masking, seed=seed, warmup=warmup, warmup_steps=warmup_steps,
         )  # fmt: skip
 
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
         t0 = time.perf_counter()
         g = ctx.group
-        st = self.begin(unit, grads)
-        sk = self.sketch_for(unit, st.p.numel(), g)
+        st = self.begin(unit, grads, ctx.step)
+        sk = self.sketch_for(unit, st.p.numel(), g, ctx.step)
         table = sk.sketch(st.p)
         self.timings.compress_s += time.perf_counter() - t0
         self.timings.units += 1
@@ -256,14 +277,19 @@ class GTopKReducer(SparseUpdateReducer):
         momentum: float = 0.0,
         masking: bool = False,
         seed: int = 0,
+        warmup: str | Sequence[float] = "",
+        warmup_steps: int = 0,
     ) -> None:
-        super().__init__(density=density, k=k, momentum=momentum, masking=masking, seed=seed)
+        super().__init__(
+            density=density, k=k, momentum=momentum, masking=masking, seed=seed, warmup=warmup,
+            warmup_steps=warmup_steps,
+        )  # fmt: skip
         self.feedback = _choice(type(self).__name__, "feedback", feedback, FEEDBACKS)
 
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
         t0 = time.perf_counter()
         g = ctx.group
-        st = self.begin(unit, grads)
+        st = self.begin(unit, grads, ctx.step)
         idx, val = local_topk(st.p, st.k)
         self.timings.compress_s += time.perf_counter() - t0
         self.timings.units += 1

@@ -15,6 +15,10 @@ sparse update. ``momentum = rho > 0`` keeps Sketched-SGD's worker momentum inste
 applied coordinates, as Sketched-SGD does so that momentum does not push applied coordinates again.
 
 ``k``: ``k`` when given (> 0), else ``ceil(density * numel)`` of each unit; at most the unit's size.
+Warm-up (gs-SGD's schedule, after Deep Gradient Compression's): ``warmup="0.25/0.0725/0.015/0.004"``
+(or ``"paper"``, that schedule) with ``warmup_steps=S`` applies those densities for ``S`` reductions each
+(an epoch each in the paper), then ``density`` or ``k``. The step is the stage's reduction counter, the
+same on every rank, so every rank selects the same ``k``.
 Indices on the wire are int32 below ``2**31`` elements (int64 above), as the top-k compressor's.
 """
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +48,36 @@ def check_number(where: str, what: str, v: object, low: float, high: float, *, i
         raise InvalidArgumentError(f"{where}: {what} must be {kind} in [{low:g}, {high:g}], got {v!r}")
 
 
+#: gs-SGD's warm-up densities ("paper"), one per epoch of its first four
+PAPER_WARMUP = (0.25, 0.0725, 0.015, 0.004)
+
+
+def parse_warmup(where: str, warmup: object) -> tuple[float, ...]:
+    """``"0.25/0.0725"``, ``"paper"``, ``""`` or a sequence of densities -> a tuple of densities in (0, 1]."""
+    bad = f"{where}: warmup must be densities separated by '/' (e.g. 0.25/0.015) or 'paper', got {warmup!r}"
+    items: list[object]
+    if isinstance(warmup, str):
+        text = warmup.strip()
+        if text == "paper":
+            return PAPER_WARMUP
+        try:
+            items = [float(v) for v in text.split("/")] if text else []
+        except ValueError:
+            raise InvalidArgumentError(bad) from None
+    elif isinstance(warmup, (list, tuple)):
+        items = list(warmup)
+    else:
+        raise InvalidArgumentError(bad)
+    out: list[float] = []
+    for v in items:
+        check_number(where, "each warm-up density", v, 0.0, 1.0)
+        assert isinstance(v, (int, float))
+        if v <= 0:
+            raise InvalidArgumentError(f"{where}: warm-up densities must be > 0, got {warmup!r}")
+        out.append(float(v))
+    return tuple(out)
+
+
 @dataclass
 class Step:
     """One unit's reduction in progress on this rank."""
@@ -62,7 +96,15 @@ class SparseUpdateReducer(Reducer):
     name = "sparse"
 
     def __init__(
-        self, *, density: float, k: int, momentum: float = 0.0, masking: bool = False, seed: int = 0
+        self,
+        *,
+        density: float,
+        k: int,
+        momentum: float = 0.0,
+        masking: bool = False,
+        seed: int = 0,
+        warmup: str | Sequence[float] = "",
+        warmup_steps: int = 0,
     ) -> None:
         where = type(self).__name__
         check_number(where, "density", density, 0.0, 1.0)
@@ -81,31 +123,53 @@ class SparseUpdateReducer(Reducer):
             masking,
             seed,
         )
+        self.warmup = parse_warmup(where, warmup)
+        check_number(where, "warmup_steps", warmup_steps, 0, 2**62, integer=True)
+        if self.warmup and warmup_steps == 0:
+            raise InvalidArgumentError(
+                f"{where}: warmup={warmup!r} needs warmup_steps >= 1 (steps per density)"
+            )
+        self.warmup_steps = warmup_steps
         self.memory = ResidualMemory()
         self.velocity = ResidualMemory(beta=momentum) if momentum > 0 else None
         self.timings = Timings()
         #: the coordinates applied in each unit's last reduction (ascending), for reports and checks
         self.last_indices: dict[str, Tensor] = {}
 
-    def k_for(self, numel: int) -> int:
-        """The number of coordinates applied for a unit of ``numel`` elements: ``k``, else
+    def warmup_density(self, step: int | None) -> float | None:
+        """The warm-up density at reduction ``step``, or None once the warm-up is over (or with none)."""
+        if step is None or not self.warmup or step >= len(self.warmup) * self.warmup_steps:
+            return None
+        return self.warmup[max(step, 0) // self.warmup_steps]
+
+    def densities(self) -> list[float | None]:
+        """Every density this reducer can use: the warm-up's, then None for the steady state."""
+        return [*dict.fromkeys(self.warmup), None]
+
+    def k_for(self, numel: int, step: int | None = None, *, density: float | None = None) -> int:
+        """The number of coordinates applied for a unit of ``numel`` elements at reduction ``step``: the
+        warm-up density's count while it lasts (or ``density``'s when given), else ``k``, else
         ``ceil(density * numel)`` (a product within 1e-9 of an integer counts as that integer, as for
-        the top-k compressor), at least 1 and at most ``numel``."""
-        k = self.k if self.k > 0 else count_from_ratio(self.density, numel)
+        the top-k compressor); at least 1 and at most ``numel``."""
+        d = density if density is not None else self.warmup_density(step)
+        if d is not None:
+            k = count_from_ratio(d, numel)
+        else:
+            k = self.k if self.k > 0 else count_from_ratio(self.density, numel)
         return max(1, min(k, numel)) if numel else 0
 
     def unit_seed(self, key: str) -> int:
         """A seed for the unit's hashes, from the reducer's seed and the unit's key."""
         return zlib.crc32(f"{self.seed}/{key}".encode()) | (self.seed & 0xFFFFFFFF) << 32
 
-    def begin(self, unit: Unit, grads: list[Tensor]) -> Step:
-        """Flatten, add worker momentum and the residual."""
+    def begin(self, unit: Unit, grads: list[Tensor], step: int | None = None) -> Step:
+        """Flatten, add worker momentum and the residual; ``k`` for reduction ``step``."""
         with torch.no_grad():
             flat = flatten(grads)
             segs = segments(unit, grads)
             u = self.velocity.compensate(segs, flat) if self.velocity is not None else None
             p = self.memory.compensate(segs, flat if u is None else u)
-        return Step(unit.key, segs, grads, u, p, self.k_for(flat.numel()))
+        return Step(unit.key, segs, grads, u, p, self.k_for(flat.numel(), step))
 
     def add_decode(self, seconds: float) -> None:
         """Count recovery time: it runs where the handle is waited (the training thread for the stage)."""
@@ -137,7 +201,16 @@ class SparseUpdateReducer(Reducer):
         return out
 
     def options(self) -> dict[str, Any]:
-        return {"density": self.density, "k": self.k, "momentum": self.momentum, "masking": self.masking}
+        out: dict[str, Any] = {
+            "density": self.density,
+            "k": self.k,
+            "momentum": self.momentum,
+            "masking": self.masking,
+        }
+        if self.warmup:
+            out["warmup"] = "/".join(f"{d:g}" for d in self.warmup)
+            out["warmup_steps"] = self.warmup_steps
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {

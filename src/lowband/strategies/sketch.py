@@ -78,12 +78,14 @@ def gs_sgd(
     momentum: float = 0.0,
     masking: bool = False,
     seed: int = 0,
+    warmup: str = "",
+    warmup_steps: int = 0,
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
 ) -> SparseStageStrategy:
     r = GsSGDReducer(
         rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
-        reduce=reduce, momentum=momentum, masking=masking, seed=seed,
+        reduce=reduce, momentum=momentum, masking=masking, seed=seed, warmup=warmup, warmup_steps=warmup_steps,
     )  # fmt: skip
     return SparseStageStrategy(
         "gs-sgd", model, make_optimizer, group, r, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
@@ -105,12 +107,14 @@ def sketched_sgd(
     momentum: float = 0.0,
     masking: bool = False,
     seed: int = 0,
+    warmup: str = "",
+    warmup_steps: int = 0,
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
 ) -> SparseStageStrategy:
     r = SketchedSGDReducer(
         rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
-        momentum=momentum, masking=masking, seed=seed,
+        momentum=momentum, masking=masking, seed=seed, warmup=warmup, warmup_steps=warmup_steps,
     )  # fmt: skip
     return SparseStageStrategy(
         "sketched-sgd", model, make_optimizer, group, r, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
@@ -129,10 +133,15 @@ def gtopk(
     momentum: float = 0.0,
     masking: bool = False,
     seed: int = 0,
+    warmup: str = "",
+    warmup_steps: int = 0,
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
 ) -> SparseStageStrategy:
-    r = GTopKReducer(density=density, k=k, feedback=feedback, momentum=momentum, masking=masking, seed=seed)
+    r = GTopKReducer(
+        density=density, k=k, feedback=feedback, momentum=momentum, masking=masking, seed=seed,
+        warmup=warmup, warmup_steps=warmup_steps,
+    )  # fmt: skip
     return SparseStageStrategy(
         "gtopk", model, make_optimizer, group, r, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
     )
