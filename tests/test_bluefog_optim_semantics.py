@@ -154,17 +154,24 @@ def test_dynamic_topology_win_put_converges_on_least_squares(n: int) -> None:
     problem = linreg_problem(3, n, 20, DIM)
     star = least_squares(problem).numpy()
 
+    def rel_error(x: np.ndarray) -> float:
+        return float(np.linalg.norm(x - star) / np.linalg.norm(star))
+
     def fn() -> np.ndarray:
         bf.init()
         m = model()
         opt = bf.DistributedWinPutOptimizer(torch.optim.SGD(m.parameters(), lr=0.002), m)
         a, b = problem[bf.rank()]
         outs = bf.out_neighbor_ranks()
-        for it in range(400):
+        # Asynchronous: how far 400 iterations get depends on how the ranks interleave (a loaded machine
+        # starves some), so each rank runs until its own iterate is close, within a bound on iterations.
+        for it in range(4000):
             opt.dst_weights = {outs[it % len(outs)]: 1.0}  # one peer per iteration, as BlueFog's example
             opt.zero_grad()
             loss(m, a, b).backward()
             opt.step()
+            if it % 50 == 49 and rel_error(m.weight.detach().numpy()[0]) < 0.04:
+                break
         opt.wait_puts()
         bf.barrier()
         x = m.weight.detach().numpy()[0].copy()
@@ -172,4 +179,4 @@ def test_dynamic_topology_win_put_converges_on_least_squares(n: int) -> None:
         return x
 
     for x in run_threads(fn, n, timeout=120):
-        assert np.linalg.norm(x - star) / np.linalg.norm(star) < 0.05, (x, star)
+        assert rel_error(x) < 0.05, (x, star)
