@@ -141,7 +141,7 @@ def demo_config() -> BenchConfig:
 
 def _print_results(res: dict[str, object]) -> None:
     print()
-    print(res["markdown"])
+    print(res.get("terminal", res["markdown"]))
     out = Path(str(res["config"]["out_dir"]))  # type: ignore[index]
     print(f"results: {out / 'results.json'}  table: {out / 'results.md'}")
     print("plots:   " + "  ".join(str(p) for p in res["plots"]))  # type: ignore[attr-defined]

@@ -18,7 +18,9 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
 - physical bound: max(computation time, wire time), where the wire time is the longest any rank's link
   needs for that rank's bytes: max over ranks r of max(sent_r * 8 / up_r, received_r * 8 / down_r),
   each rank at its own link's rates (on heterogeneous links the busiest rank need not be the slowest);
-  efficiency = bound / iteration time (<= 1 up to noise).
+  efficiency = bound / iteration time, at most 1: a step measured faster than the bound (the
+  compute-only run, a separate measurement, was slower that time: noise) reads 1 and is flagged
+  ``below_bound``.
 - time to target loss: training time until the moving average of the training loss (window =
   ``smooth`` steps) first reaches the target; the default target is the worst of the strategies' final
   moving averages, so that every strategy reaches it.
@@ -145,6 +147,7 @@ def summarize(
         setup = float(run.get("report", {}).get("profile_s") or 0.0)
         ttt = time_to_target(run, target, smooth)
         rows[k] = {
+            "spec": k,  # the strategy as typed (-s)
             "label": run["label"],
             "iter_time_median": it,
             "iter_time_min": min(means),
@@ -157,7 +160,8 @@ def summarize(
             "comm_not_overlapped": None if compute is None else max(0.0, it - compute),
             "wire_time": wire if rank_rates is not None else None,
             "bound": bound if bound > 0 else None,
-            "efficiency": bound / it if bound > 0 else None,
+            "efficiency": min(1.0, bound / it) if bound > 0 else None,
+            "below_bound": bound > it,
             "final_train_loss": finals[k],
             "eval_loss": last_eval.get("loss"),
             "eval_accuracy": last_eval.get("accuracy"),

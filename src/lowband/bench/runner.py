@@ -21,7 +21,7 @@ from tqdm import tqdm
 import lowband
 from lowband.bench.config import BenchConfig
 from lowband.bench.metrics import Rates, summarize
-from lowband.bench.report import markdown_table, plot_all, sweep_table
+from lowband.bench.report import legend, markdown_table, plot_all, sweep_table, terminal_table
 from lowband.bench.resources import check_resources, machine, rank_bytes
 from lowband.errors import LowbandError
 from lowband.testbed import Layout, Testbed
@@ -71,7 +71,7 @@ def check_machine(cfg: BenchConfig) -> None:
     else:
         from lowband.bench.workloads import get_workload
 
-        model = get_workload(cfg.workload).build_model(cfg.seed)
+        model = get_workload(cfg.workload).build_model(cfg.seed)  # a user's spec: loaded already
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     check_resources(cfg.world_size, cfg.threads, rank_bytes(model_bytes), m, what)
 
@@ -83,6 +83,12 @@ def run_bench(
     ``cfg.out_dir/results.json``. Refuses ranks the machine cannot hold (:func:`check_machine`)
     unless ``force``."""
     cfg.validate()
+    if cfg.collectives is None:  # a user's workload resolves here, in one line, before anything starts
+        from lowband.bench.workloads import canonical_spec, get_workload, is_spec
+
+        if is_spec(cfg.workload):
+            cfg = dataclasses.replace(cfg, workload=canonical_spec(cfg.workload))
+        get_workload(cfg.workload)
     if not force:
         check_machine(cfg)
     out = Path(cfg.out_dir)
@@ -103,7 +109,8 @@ def run_bench(
                 stderr=logs,
             )
             what = "collectives" if cfg.collectives is not None else cfg.workload
-            bar = tqdm(desc=f"bench {what}, {tb.label()}", unit="seg", disable=quiet, file=sys.stderr)
+            unit = "timing" if cfg.collectives is not None else "step"
+            bar = tqdm(desc=f"bench {what}, {tb.label()}", unit=unit, disable=quiet, file=sys.stderr)
             follower = threading.Thread(target=_follow, args=(procs[0].stdout, bar, logs[0]), daemon=True)
             follower.start()
             codes = tb.wait(procs, timeout)
@@ -135,7 +142,7 @@ def run_bench(
         target_loss=cfg.target_loss,
         smooth=min(10, cfg.steps_per_round),
     )
-    title = f"{cfg.workload}, {cfg.world_size} ranks, {label}"
+    title = f"{raw.get('workload_name', cfg.workload)}, {cfg.world_size} ranks, {label}"
     results = {
         "lowband_version": lowband.__version__,
         "started": started,
@@ -162,9 +169,13 @@ def run_bench(
         )
         + ("" if shaped else "\n\n**UNSHAPED** (loopback): " + tb.reason)
     )
-    md = f"{header}\n\n{table}\n"
+    notes = legend(summary, raw["unit"], target_given=cfg.target_loss is not None, shaped=shaped)
+    md = f"{header}\n\n{table}\n\n{notes}\n"
     (out / "results.md").write_text(md)
     results["markdown"] = md
+    results["terminal"] = f"{title}\n\n{terminal_table(summary)}" + (
+        "" if shaped else "\nUNSHAPED (loopback)"
+    )
     results["plots"] = [str(p) for p in plots]
     return results
 
@@ -230,7 +241,7 @@ def run_sweep(
             if rate is None:
                 sub.mode = "loopback"
             res = run_bench(sub, timeout=timeout, force=force)
-            print(res["markdown"])
+            print(res["terminal"])
             points.append({"setting": setting, "testbed": res["testbed"], "summary": res["summary"]})
     baseline = cfg.baselines[0]
     table = sweep_table(points, baseline)

@@ -143,6 +143,8 @@ def _evaluate(run: Run, wl: Workload, cfg: BenchConfig, rnd: int) -> None:
     s = run.strategy
     model = s.average_model(wl.build_model(cfg.seed)) if s.shards else s.local_module
     res = wl.evaluate(model, max_items=cfg.eval_items or 2**62)  # 0: the whole test set
+    if res is None:  # the workload has no held-out evaluation (the same on every rank)
+        return
     acc = -1.0 if res.accuracy is None else res.accuracy
     vals = lowband.allreduce(torch.tensor([res.loss, acc], dtype=torch.float64)).tolist()
     run.evals.append(
@@ -188,16 +190,16 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
             name, options = parse_strategy_spec(spec)
             strat = make_strategy(name, model, make_opt, **options)
         runs.append(Run(spec, strat, wl.batches(r, n, bs, cfg.seed)))
-    total = cfg.rounds * len(runs)
+    total = cfg.rounds * len(runs) * cfg.steps_per_round  # progress counts training steps
     done = 0
-    _progress(done, total, "start")
+    _progress(done, total, f"round 1/{cfg.rounds}")
     for rnd in range(cfg.rounds):
         for run in runs:
             _segment(run, wl, cfg, rnd, epoch0)
             if run.key != COMPUTE:
                 _evaluate(run, wl, cfg, rnd)
-            done += 1
-            _progress(done, total, run.key)
+            done += cfg.steps_per_round
+            _progress(done, total, f"round {rnd + 1}/{cfg.rounds}: {run.key}")
     out: dict[str, Any] = {"runs": {}}
     for run in runs:
         in_sync = run.strategy.in_sync()
@@ -221,6 +223,7 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
             "batch_size": bs,
             "unit": wl.unit,
             "workload": wl.describe(),
+            "workload_name": wl.name,
             "testbed_shaped": os.environ.get("LOWBAND_TESTBED_SHAPED", "0") == "1",
             "iface": os.environ.get("LOWBAND_TESTBED_IFNAME", "lo"),
         }

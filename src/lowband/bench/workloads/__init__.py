@@ -1,10 +1,14 @@
-"""Reference workloads, offline and deterministic: image classification, language modelling, regression.
+"""Bench workloads: the reference ones (offline, deterministic) and a user's own.
+
+A workload follows the small protocol of :class:`Workload` (build_model, batches, loss; optional
+evaluate, make_optimizer, items, describe). :func:`get_workload` takes a registered name or a user's
+spec, ``package.module:factory`` or ``path/to/file.py:factory`` (:mod:`lowband.bench.workloads.loader`).
 
 Usage (``rank``/``world`` from :mod:`lowband`)::
 
     w = get_workload("fmnist-cnn")
     model = w.build_model(seed=0)                  # same seed on every rank
-    opt = w.make_optimizer(model.parameters())
+    opt = w.make_optimizer(model.parameters())       # the workload's, or SGD by default
     for batch in itertools.islice(w.batches(rank, world, w.default_batch_size, seed=0), 100):
         opt.zero_grad()
         w.loss(model, batch).backward()
@@ -29,8 +33,16 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from lowband.bench.workloads.base import Batch, EvalResult, Workload, count_params
+from lowband.bench.workloads.base import (
+    Batch,
+    DatasetWorkload,
+    EvalResult,
+    Workload,
+    count_params,
+    tensor_batches,
+)
 from lowband.bench.workloads.images import DatasetUnavailableError
+from lowband.bench.workloads.loader import canonical_spec, is_spec, load_workload
 from lowband.bench.workloads.regression import LinRegWorkload, least_squares, linreg_data, linreg_problem
 from lowband.bench.workloads.text import CharLMWorkload
 from lowband.bench.workloads.vision import ImageWorkload
@@ -57,7 +69,10 @@ def workload_names() -> list[str]:
 
 
 def get_workload(name: str, **options: Any) -> Workload:
-    """The workload registered as ``name``, built with keyword ``options`` (e.g. ``dataset="digits"``)."""
+    """The workload registered as ``name``, or a user's (``module:factory``, ``file.py:factory``), built
+    with keyword ``options`` (e.g. ``dataset="digits"``)."""
+    if is_spec(name):
+        return load_workload(name, **options)
     factory = WORKLOADS.get(name)
     signature = inspect.signature(factory)
     try:
@@ -75,15 +90,20 @@ __all__ = [
     "Batch",
     "CharLMWorkload",
     "DatasetUnavailableError",
+    "DatasetWorkload",
     "EvalResult",
     "ImageWorkload",
     "LinRegWorkload",
     "WordLMWorkload",
     "Workload",
+    "canonical_spec",
     "count_params",
     "get_workload",
+    "is_spec",
     "least_squares",
     "linreg_data",
     "linreg_problem",
+    "load_workload",
+    "tensor_batches",
     "workload_names",
 ]

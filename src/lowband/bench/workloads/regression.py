@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowband.bench.workloads.base import Batch, Workload, check_int, resolve_lr, seeded_init, to_device
+from lowband.bench.workloads.base import Batch, DatasetWorkload, check_int, resolve_lr, seeded_init, to_device
 from lowband.errors import InvalidArgumentError
 
 NOISE_STD = 0.1
@@ -67,7 +67,7 @@ def least_squares(problem: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
     return solution.squeeze(1)
 
 
-class LinRegWorkload(Workload):
+class LinRegWorkload(DatasetWorkload):
     """Linear regression: ``nn.Linear(dim, 1, bias=False)``, mean squared error, SGD with momentum 0.9.
 
     ``rows`` training rows and ``test_rows`` held-out rows come from one seeded data set

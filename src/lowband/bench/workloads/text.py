@@ -12,7 +12,7 @@ from torch import nn
 
 from lowband.bench.workloads.base import (
     Batch,
-    Workload,
+    DatasetWorkload,
     check_int,
     count_params,
     resolve_lr,
@@ -102,7 +102,7 @@ class GPT(nn.Module):
         return logits
 
 
-class CharLMWorkload(Workload):
+class CharLMWorkload(DatasetWorkload):
     """Next-character prediction on Shakespeare; samples are non-overlapping windows of ``block_size + 1``.
 
     AdamW optimizer; accuracy is next-character top-1; :attr:`unit` is tokens (predicted characters).

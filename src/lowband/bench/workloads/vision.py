@@ -11,7 +11,7 @@ from torch import nn
 
 from lowband.bench.workloads.base import (
     Batch,
-    Workload,
+    DatasetWorkload,
     count_params,
     resolve_lr,
     seeded_init,
@@ -87,7 +87,7 @@ _MODELS: dict[str, tuple[str, Callable[[], nn.Module]]] = {
 }
 
 
-class ImageWorkload(Workload):
+class ImageWorkload(DatasetWorkload):
     """Image classification: cross-entropy, SGD with momentum 0.9, top-1 accuracy.
 
     ``dataset`` is ``"auto"`` (Fashion-MNIST if its files are in ``data_dir``, else scikit-learn digits),

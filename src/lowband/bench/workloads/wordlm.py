@@ -19,7 +19,7 @@ from torch import nn
 
 from lowband.bench.workloads.base import (
     Batch,
-    Workload,
+    DatasetWorkload,
     check_int,
     count_params,
     resolve_lr,
@@ -58,7 +58,7 @@ class WordLM(nn.Module):
         return sum(p.numel() for p in tables.values())
 
 
-class WordLMWorkload(Workload):
+class WordLMWorkload(DatasetWorkload):
     """Next-word prediction; a sample is ``context`` consecutive words and the word after (stride 1).
 
     AdamW optimizer; accuracy is next-word top-1; :attr:`unit` is tokens (predicted words, one per sample).

@@ -1,0 +1,180 @@
+"""The bench's tables and plots on a synthetic results set with long strategy specs: every plot renders
+with no text overlapping other text or leaving the figure; tables name strategies as typed, cap the
+efficiency at 1 and write '-' where a figure does not apply."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.text import Text
+from matplotlib.transforms import Bbox
+
+from lowband.bench.metrics import COMPUTE, summarize
+from lowband.bench.plots import figures, plot_all, step_parts, wrap_spec
+from lowband.bench.report import legend, markdown_table, terminal_table
+
+LONG = [
+    "ddp",
+    "localsgd:period=5",
+    "compressed:compressor=onebit:threshold=0.5;scale=1.0,reducer=ps,bucket_mb=0.0",
+    "slimgc:compressor=onebit:scale=32,reducer=ps,comm_threshold=auto,pre_steps=10,offload=True,backup=True",
+    "slimgc:compressor=twobit:scale=32,reducer=ps,comm_threshold=0,pre_steps=10,offload=False,backup=False",
+    "dreamddp:period=5,split=auto",
+]
+
+
+def _run(i: int, n: int, rounds: int = 3, per: int = 6, measured: bool = False) -> dict[str, Any]:
+    """Strategy ``i``'s records: steps of (30 + 25 i) ms on every rank, losses falling, 1 MB per step."""
+    step = 0.03 + 0.025 * i
+    segs, t = [], 0.0
+    for r in range(rounds):
+        starts = [[t + k * step + 0.001 * q for k in range(per)] for q in range(n)]
+        segs.append(
+            {
+                "round": r,
+                "first_step": r * per,
+                "step_times": [step] * per,
+                "loss": [2.0 / (1 + 0.1 * (r * per + k) * (1 + 0.1 * i)) for k in range(per)],
+                "wall_end": (r + 1) * per * step,
+                "items": 32 * n * per,
+                "starts": starts,
+                "ends": [[s + step * 0.95 for s in row] for row in starts],
+                "tx_bytes": [1e6 * per] * n,
+                "rx_bytes": [1e6 * per] * n,
+            }
+        )
+        t += per * step + 1.0
+    evals = [{"round": r, "step": (r + 1) * per, "wall": (r + 1) * per * step, "loss": 1.0 / (r + 1),
+              "accuracy": 0.5 + 0.1 * r + 0.01 * i} for r in range(rounds)]  # fmt: skip
+    run: dict[str, Any] = {"label": f"label{i}(H=5)", "segments": segs, "evals": evals, "in_sync": True,
+                           "replica_spread": 0.0}  # fmt: skip
+    if measured:
+        bd = {"first_step": 0, "compute_s": [0.02] * rounds * per, "compression_s": [0.005] * rounds * per,
+              "comm_s": [step - 0.025] * rounds * per}  # fmt: skip
+        run["report_ranks"] = [{"breakdown": bd} for _ in range(n)]
+        run["report"] = run["report_ranks"][0]
+    return run
+
+
+def _results(n: int = 4, specs: list[str] = LONG) -> tuple[dict[str, Any], dict[str, Any]]:
+    runs = {k: _run(i, n, measured=k.startswith(("slimgc", "compressed"))) for i, k in enumerate(specs)}
+    runs[COMPUTE] = _run(0, n)
+    for seg in runs[COMPUTE]["segments"]:
+        seg["step_times"] = [0.035] * len(seg["step_times"])  # slower than ddp's 30 ms: ddp below bound
+    raw = {"world_size": n, "runs": runs}
+    s = summarize(raw, warmup_rounds=1, rank_rates=[(1e9, 1e9)] * n, bytes_sharing=1,
+                  baselines=["ddp", "localsgd"], smooth=3)  # fmt: skip
+    return raw, s
+
+
+def _texts(fig: Figure) -> list[tuple[str, Bbox]]:
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    out = []
+    for t in fig.findobj(Text):
+        if t.get_visible() and t.get_text().strip() and t.get_alpha() != 0:
+            out.append((t.get_text(), t.get_window_extent(renderer)))
+    return out
+
+
+def layout_problems(fig: Figure) -> list[str]:
+    """Pairs of text artists whose boxes overlap, and texts reaching outside the figure."""
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    box = fig.bbox
+    texts = _texts(fig)
+    problems = [
+        f"outside the figure: {s!r}"
+        for s, b in texts
+        if b.x0 < box.x0 - 1 or b.y0 < box.y0 - 1 or b.x1 > box.x1 + 1 or b.y1 > box.y1 + 1
+    ]
+    for (s1, b1), (s2, b2) in itertools.combinations(texts, 2):
+        if b1.shrunk(0.98, 0.9).overlaps(b2.shrunk(0.98, 0.9)):
+            problems.append(f"overlap: {s1!r} / {s2!r}")
+    return problems
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_plot_renders_without_overlapping_text(n: int) -> None:
+    raw, s = _results(n)
+    figs = figures(
+        raw, s, "a long title: workload, 4 ranks, netns+tbf: 4 ranks, 100 Mbit/s per rank, MTU 9000"
+    )
+    assert set(figs) == {"loss.png", "accuracy.png", "iteration.png", "breakdown.png", "timeline.png"}
+    for name, fig in figs.items():
+        assert layout_problems(fig) == [], name
+
+
+def test_the_checker_sees_overlaps() -> None:
+    fig = Figure(figsize=(4, 3))
+    ax = fig.subplots()
+    ax.text(0.5, 0.5, "one label")
+    ax.text(0.52, 0.5, "another label")
+    ax.set_title("a title far too long to fit in a four-inch figure, cut on both sides")
+    problems = layout_problems(fig)
+    assert any(p.startswith("overlap") for p in problems)
+    assert any(p.startswith("outside") for p in problems)
+
+
+def test_legend_names_the_target_and_strategies_as_typed(tmp_path: Path) -> None:
+    raw, s = _results(3, LONG[:3])
+    figs = figures(raw, s, "t")
+    texts = [t for t, _ in _texts_drawn(figs["loss.png"])]
+    assert any(t.startswith("target loss") for t in texts)
+    assert "localsgd:period=5" in texts and not any("H=5" in t for t in texts)
+    assert any(t.startswith("target accuracy") for t in _drawn(figs["accuracy.png"]))
+    paths = plot_all(raw, s, tmp_path, "t")
+    assert [p.name for p in paths] == list(figs) and all(p.stat().st_size > 1000 for p in paths)
+
+
+def _drawn(fig: Figure) -> list[str]:
+    return [t for t, _ in _texts_drawn(fig)]
+
+
+def _texts_drawn(fig: Figure) -> list[tuple[str, Bbox]]:
+    FigureCanvasAgg(fig)
+    fig.canvas.draw()
+    return _texts(fig)
+
+
+def test_timeline_splits_each_step_into_computation_and_communication() -> None:
+    raw, s = _results(2)
+    seg = raw["runs"][LONG[3]]["segments"][-1]
+    parts = step_parts(raw["runs"][LONG[3]], seg, 1, s["compute_time"], False)
+    assert [p[2] for p in parts[:3]] == ["compute_s", "compression_s", "comm_s"] and parts[0][3]
+    span = seg["ends"][1][0] - seg["starts"][1][0]
+    assert sum(p[1] for p in parts[:3]) == pytest.approx(span)
+    inferred = step_parts(raw["runs"]["localsgd:period=5"], raw["runs"]["localsgd:period=5"]["segments"][-1],
+                          0, s["compute_time"], False)  # fmt: skip
+    assert [(p[2], p[3]) for p in inferred[:2]] == [("compute_s", False), ("comm_s", False)]
+    assert inferred[0][1] == pytest.approx(s["compute_time"])
+
+
+def test_tables() -> None:
+    _, s = _results(2)
+    ddp = s["strategies"]["ddp"]
+    assert ddp["below_bound"] and ddp["efficiency"] == 1.0  # 30 ms measured, 35 ms compute-only
+    assert all(0 < r["efficiency"] <= 1 for r in s["strategies"].values())
+    term = terminal_table(s)
+    lines = term.splitlines()
+    assert lines[0].split() == ["strategy", "iter", "ms", "vs", "ddp", "sent/step", "efficiency", "to",
+                                "target", "s", "accuracy"]  # fmt: skip
+    assert any(line.startswith("localsgd:period=5 ") for line in lines) and "H=5" not in term
+    assert "1.00*" in term and "1.00x" in term
+    md = markdown_table(s, "samples")
+    assert "| `slimgc:compressor=onebit:scale=32,reducer=ps," in md and "label" not in md
+    assert "speed-up vs ddp | speed-up vs localsgd:period=5 |" in md
+    notes = legend(s, "samples", target_given=False, shaped=True)
+    assert "the worst final training loss" in notes and "**-**" in notes
+    assert "given by --target-loss" in legend(s, "samples", target_given=True, shaped=True)
+
+
+def test_wrap_spec() -> None:
+    spec = LONG[3]
+    lines = wrap_spec(spec, 40).split("\n")
+    assert "".join(lines) == spec and all(len(line) <= 40 for line in lines)
+    assert wrap_spec("ddp") == "ddp"
