@@ -72,11 +72,25 @@ def _results(n: int = 4, specs: list[str] = LONG) -> tuple[dict[str, Any], dict[
     return raw, s
 
 
+def _undrawn_ticks(fig: Figure) -> set[int]:
+    """Tick labels matplotlib keeps but does not draw (their tick lies outside the view limits)."""
+    out = set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            lo, hi = sorted(axis.get_view_interval())
+            eps = (hi - lo) * 1e-9
+            for tick in [*axis.get_major_ticks(), *axis.get_minor_ticks()]:
+                if not lo - eps <= tick.get_loc() <= hi + eps:
+                    out |= {id(tick.label1), id(tick.label2)}
+    return out
+
+
 def _texts(fig: Figure) -> list[tuple[str, Bbox]]:
     renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    hidden = _undrawn_ticks(fig)
     out = []
     for t in fig.findobj(Text):
-        if t.get_visible() and t.get_text().strip() and t.get_alpha() != 0:
+        if t.get_visible() and t.get_text().strip() and t.get_alpha() != 0 and id(t) not in hidden:
             out.append((t.get_text(), t.get_window_extent(renderer)))
     return out
 

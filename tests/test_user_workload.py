@@ -84,7 +84,7 @@ def test_example_trains_and_evaluates() -> None:
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), w.build_model(0).parameters()))
     opt = w.make_optimizer(model.parameters())
     before = w.evaluate(model)
-    for batch in itertools.islice(w.batches(0, 1, 32, 0), 150):
+    for batch in itertools.islice(w.batches(0, 1, 32, 0), 100):
         opt.zero_grad()
         w.loss(model, batch).backward()
         opt.step()

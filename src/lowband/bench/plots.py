@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 PARTS = {"compute_s": ("computation", "tab:green"), "compression_s": ("compression", "tab:orange"),
          "comm_s": ("communication", "tab:red")}  # fmt: skip
+_BD_NAMES = {"compute_s": "computation", "compression_s": "compression (critical path)",
+             "comm_s": "communication not overlapped"}  # fmt: skip
 _WIDE = 12.0  # inches
 
 
@@ -148,14 +150,16 @@ def fig_iteration(summary: dict[str, Any], title: str) -> Figure:
     hi = [rows[k]["iter_time_max"] * 1e3 - m for m, k in zip(med, keys)]
     ax.barh(ys, med, xerr=[lo, hi], capsize=3, height=0.6, color=[colors(keys)[k] for k in keys],
             label="iteration time (median, min-max over rounds)")  # fmt: skip
-    bounds = [(rows[k]["bound"] or 0) * 1e3 for k in keys]
-    ax.scatter(bounds, ys, color="black", marker="|", s=300, zorder=3, label="bound (fastest possible)")
+    bounded = [(rows[k]["bound"] * 1e3, y) for k, y in zip(keys, ys) if rows[k]["bound"] is not None]
+    if bounded:
+        bx, by = [b[0] for b in bounded], [b[1] for b in bounded]
+        ax.scatter(bx, by, color="black", marker="|", s=300, zorder=3, label="bound (fastest possible)")
     if summary["compute_time"] is not None:
         ax.axvline(summary["compute_time"] * 1e3, color="tab:green", ls="--", label="computation only")
     right = max(m + h for m, h in zip(med, hi))
-    for y, m, h in zip(ys, med, hi):
-        ax.text(m + h + right * 0.01, y, f"{m:.1f} ms", va="center", fontsize=8)
-    ax.set_xlim(0, right * 1.15)
+    for y, m in zip(ys, med):  # the medians in a column at the right, clear of bars and lines
+        ax.text(right * 1.04, y, f"{m:.1f} ms", va="center", fontsize=8)
+    ax.set_xlim(0, right * 1.16)
     ax.set_yticks(ys, labels, fontsize=8)
     ax.set_xlabel("ms per training step")
     ax.set_title(_title(f"iteration time - {title}", _WIDE), fontsize=10)
@@ -177,7 +181,7 @@ def fig_breakdown(summary: dict[str, Any], title: str) -> Figure | None:
     ax = fig.subplots()
     ys = list(range(len(keys)))[::-1]
     left = [0.0] * len(keys)
-    for part, (name, color) in PARTS.items():
+    for part, (_, color) in PARTS.items():
         for measured in (True, False):
             yy, ws, ls = [], [], []
             for i, k in enumerate(keys):
@@ -191,7 +195,7 @@ def fig_breakdown(summary: dict[str, Any], title: str) -> Figure | None:
             if yy:
                 ax.barh(yy, ws, left=ls, height=0.6, color=color, alpha=1.0 if measured else 0.45,
                         hatch=None if measured else "//", edgecolor="white" if measured else "grey",
-                        label=name + ("" if measured else " (inferred from the compute-only run)"))  # fmt: skip
+                        label=_BD_NAMES[part] + ("" if measured else " (inferred from the compute-only run)"))  # fmt: skip
     ax.scatter([rows[k]["iter_time_median"] * 1e3 for k in keys], ys, color="black", marker="|", s=300,
                zorder=3, label="iteration time (job pace, median)")  # fmt: skip
     ax.set_yticks(ys, labels, fontsize=8)

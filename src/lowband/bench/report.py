@@ -19,6 +19,12 @@ def _num(v: float | None, fmt: str = "{:.3f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _secs(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if v >= 100 else f"{v:.1f}" if v >= 10 else f"{v:.2f}" if v >= 0.1 else f"{v:.3f}"
+
+
 def _bytes(v: float) -> str:
     for unit, scale in (("MB", 1e6), ("KB", 1e3)):
         if v >= scale:
@@ -65,7 +71,7 @@ def terminal_table(summary: dict[str, Any]) -> str:
             _speedup(k, r, base),
             _bytes(r["bytes_sent_per_rank_step"]),
             _eff(r),
-            _num(r["time_to_target"], "{:.1f}"),
+            _secs(r["time_to_target"]),
             _acc(r),
         ]
         for k, r in rows.items()
@@ -115,13 +121,13 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
             _num(r["final_train_loss"]),
             _num(r.get("eval_loss")),
             _acc(r),
-            _num(r["time_to_target"], "{:.1f}"),
+            _secs(r["time_to_target"]),
         ]
         if tacc is not None:
-            cells.append(_num(r.get("time_to_target_accuracy"), "{:.1f}"))
+            cells.append(_secs(r.get("time_to_target_accuracy")))
         if with_pred:
             cells += [_ms(r.get("predicted_iter_time")), _num(r.get("measured_over_predicted"), "{:.2f}")]
-            cells += [_num(r.get("setup_time"), "{:.1f}"), _num(r.get("time_to_target_excl_setup"), "{:.1f}")]
+            cells += [_secs(r.get("setup_time")), _secs(r.get("time_to_target_excl_setup"))]
         if with_bd:
             cells.append(_breakdown_cell(r.get("breakdown")))
         lines.append("| " + " | ".join(cells) + " |")
@@ -165,6 +171,9 @@ def legend(summary: dict[str, Any], unit: str, *, target_given: bool, shaped: bo
     if ta is not None:
         items.append((f"time to acc {ta * 100:.1f}%", "training seconds until a held-out evaluation (one "
                       "per round) reaches the worst final accuracy of the strategies"))  # fmt: skip
+    rows = summary["strategies"].values()
+    with_pred = any(r.get("predicted_iter_time") for r in rows)
+    with_bd = any((r.get("breakdown") or {}).get("source") == "measured" for r in rows)
     items += [
         ("predicted ms, set-up s", "a strategy's own cost model's step time, and its one-time set-up "
                                    "inside the first step (e.g. a profile); other strategies: -"),
@@ -172,6 +181,8 @@ def legend(summary: dict[str, Any], unit: str, *, target_given: bool, shaped: bo
                                             "can (* inferred from the compute-only run for the others)"),
         ("-", "the figure does not apply (no baseline, no accuracy for the workload, target not reached)"),
     ]  # fmt: skip
+    items = [it for it in items if (with_pred or not it[0].startswith("predicted"))
+             and (with_bd or not it[0].startswith("compute /"))]  # fmt: skip
     return "**Columns.**\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in items)
 
 

@@ -71,7 +71,7 @@ def check_machine(cfg: BenchConfig) -> None:
     else:
         from lowband.bench.workloads import get_workload
 
-        model = get_workload(cfg.workload).build_model(cfg.seed)  # a user's spec: loaded already
+        model = get_workload(cfg.workload).build_model(cfg.seed)
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     check_resources(cfg.world_size, cfg.threads, rank_bytes(model_bytes), m, what)
 
@@ -83,11 +83,12 @@ def run_bench(
     ``cfg.out_dir/results.json``. Refuses ranks the machine cannot hold (:func:`check_machine`)
     unless ``force``."""
     cfg.validate()
-    if cfg.collectives is None:  # a user's workload resolves here, in one line, before anything starts
-        from lowband.bench.workloads import canonical_spec, get_workload, is_spec
+    from lowband.bench.workloads import canonical_spec, get_workload, is_spec
 
-        if is_spec(cfg.workload):
-            cfg = dataclasses.replace(cfg, workload=canonical_spec(cfg.workload))
+    if cfg.collectives is None and is_spec(cfg.workload):
+        # a user's workload: loaded here, before anything starts (a failure is one line), and named by
+        # an absolute path for the ranks, which load it again by the same spec
+        cfg = dataclasses.replace(cfg, workload=canonical_spec(cfg.workload))
         get_workload(cfg.workload)
     if not force:
         check_machine(cfg)
@@ -108,7 +109,7 @@ def run_bench(
                 stdout=stdouts,
                 stderr=logs,
             )
-            what = "collectives" if cfg.collectives is not None else cfg.workload
+            what = "collectives" if cfg.collectives is not None else Path(cfg.workload).name
             unit = "timing" if cfg.collectives is not None else "step"
             bar = tqdm(desc=f"bench {what}, {tb.label()}", unit=unit, disable=quiet, file=sys.stderr)
             follower = threading.Thread(target=_follow, args=(procs[0].stdout, bar, logs[0]), daemon=True)
