@@ -43,7 +43,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 
 
 def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
-    p.add_argument("-w", "--workload", default=dflt.workload, help=f"workload (default {dflt.workload})")
+    p.add_argument(
+        "-w", "--workload", default=dflt.workload,
+        help=f"a registered workload (--list) or your own: module:factory or path/to/file.py:factory "
+        f"(examples/my_workload.py; default {dflt.workload})",
+    )  # fmt: skip
     p.add_argument(
         "-s", "--strategies", default="+".join(dflt.strategies) if dflt.strategies else None,
         help="strategies separated by '+', each name[:key=value,...] (default: "
