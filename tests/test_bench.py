@@ -357,4 +357,3 @@ def test_list_shows_the_compressed_options_and_registries() -> None:
     assert len(ours) >= 13 and len(mine) >= 5
     assert all(f"  {c} " in comp for c in ours)
     assert all(f"  {t} " in trans for t in mine)
-
