@@ -247,3 +247,7 @@ def plot_collectives(summary: dict[str, Any], sizes: list[int], path: Any, title
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# the embedding-gradient ops (emb_allgather, emb_alltoall, emb_ps) register themselves
+from lowband.bench import embedding_ops as _embedding_ops  # noqa: E402, F401

@@ -1,0 +1,202 @@
+"""Baselines for models with embedding tables, each a strategy on the same workloads as EmbRace:
+
+- ``ddp-sparse``: torch DDP with the tables switched to ``sparse=True``, so their gradients take
+  torch's sparse path (on gloo: an allgather of every token's row index and values, uncoalesced);
+- ``sparse-allgather``: Horovod's sparse allgather, coalesced: each rank sums its table gradient's
+  duplicate rows, one allgather-v moves every rank's (index, row) pairs, every rank sums them in rank
+  order; dense parameters are averaged by the gradient stage's allreduce, overlapped with backward.
+
+(``embedding-ps``, Parallax's colocated parameter servers, is in
+:mod:`lowband.strategies.embedding_baselines_ps`; ``dense-priority``, dense allreduce in forward
+order, in :mod:`lowband.strategies.embedding_baselines_priority`.)
+
+Optimizer semantics. The averaged table gradient is handed to the torch optimizer as a dense
+``.grad`` (zeros in untouched rows), so every torch optimizer works and every baseline trains exactly
+as single-process training on the concatenated batches (dense semantics: Adam's momentum moves rows a
+batch did not touch). Only the communication is sparse.
+
+The tables are the model's ``nn.Embedding`` modules called as modules on id tensors (forward
+pre-hooks record the ids); a table's weight read otherwise in training (tied to an output layer) would
+have gradient rows the hooks do not see: tie nothing, or use a dense strategy.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowband.comm.agree import agree, crc
+from lowband.comm.collectives import broadcast
+from lowband.comm.gather import iallgather
+from lowband.comm.handle import Handle
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.reducer import AllreduceReducer, Unit, parameter_names
+from lowband.optim.stage import GradientStage
+from lowband.optim.units import check_bucket_mb
+from lowband.sparse.rows import coalesce, embedding_tables, pack_rows, unpack_rows
+from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.ddp import DDPStrategy
+from lowband.strategies.registry import register_strategy
+
+Tensor = torch.Tensor
+
+
+def dense_units(model: nn.Module, exclude: set[int], bucket_mb: float) -> list[Unit]:
+    """The trainable parameters not in ``exclude`` (ids) in buckets of about ``bucket_mb`` MB, in
+    backward order as DDP fuses them (0: one unit per parameter); returned in forward order."""
+    names = parameter_names(model)
+    params = [p for p in names if p.requires_grad and id(p) not in exclude]
+    cap = bucket_mb * 2**20
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in reversed(params):
+        if buckets[-1] and (buckets[-1][-1].dtype != p.dtype or size >= cap):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += p.numel() * p.element_size()
+    units = []
+    for b in reversed([b for b in buckets if b]):
+        b = b[::-1]
+        pn = tuple(names[p] for p in b)
+        units.append(Unit(pn[0] if len(pn) == 1 else f"{pn[0]}..{pn[-1]}", pn, tuple(b)))
+    return units
+
+
+class EmbeddingSyncStrategy(Strategy):
+    """Dense parameters through the gradient stage (allreduce, from backward hooks), the tables'
+    gradients synchronised by :meth:`sync_tables` after backward, then ``optimizer.step()``.
+
+    Subclasses implement :meth:`sync_tables` (``self.ids[name]``: the id tensors each table was called
+    on in this step's forward) and may override :meth:`optimizer_params`.
+    """
+
+    name = "embedding-sync"
+
+    def __init__(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, bucket_mb: float = 25.0
+    ) -> None:
+        where = type(self).__name__
+        self.bucket_mb, _ = check_bucket_mb(where, bucket_mb, 1.0)
+        for t in model.state_dict().values():  # every replica starts from rank 0's model, as DDP does
+            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        self.tables = embedding_tables(model)
+        shapes = [(n, tuple(e.weight.shape), str(e.weight.dtype)) for n, e in self.tables]
+        agree(
+            group, "the embedding tables", [len(shapes), crc(shapes)], where=f"{where} on rank {group.rank}"
+        )
+        self.fast = group.unchecked()
+        self.table_ids = {id(e.weight) for _, e in self.tables}
+        units = dense_units(model, self.table_ids, self.bucket_mb)
+        self.stage = GradientStage(units, AllreduceReducer(), group=group, where=where) if units else None
+        self.ids: dict[str, list[Tensor]] = {n: [] for n, _ in self.tables}
+        ref = weakref.ref(self)
+        self._hooks = []
+        for name, emb in self.tables:
+
+            def hook(mod: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                me = ref()
+                if me is not None and torch.is_grad_enabled():
+                    me.on_lookup(name, args[0])
+
+            self._hooks.append(emb.register_forward_pre_hook(hook))
+        super().__init__(model, make_optimizer(self.optimizer_params(model)), group)
+
+    def optimizer_params(self, model: nn.Module) -> list[nn.Parameter]:
+        return list(model.parameters())
+
+    def on_lookup(self, name: str, ids: Tensor) -> None:
+        """A table is about to be read at ``ids`` in a forward with gradients enabled (training;
+        evaluation runs under ``torch.no_grad``)."""
+        self.ids[name].append(ids.detach())
+
+    def sync_tables(self) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        if self.stage is not None:
+            self.stage.wait()
+        self.sync_tables()
+        for v in self.ids.values():
+            v.clear()
+        self.optimizer.step()
+
+    def synchronize(self) -> None:
+        if self.stage is not None:
+            self.stage.wait()
+
+    def hparams(self) -> dict[str, Any]:
+        return {"bucket_mb": self.bucket_mb}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"stage": self.stage.state_dict() if self.stage is not None else None}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        if "stage" not in state:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.load_state_dict: checkpoint has no stage state"
+            )
+        if self.stage is not None:
+            self.stage.load_state_dict(state["stage"])
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        if self.stage is not None:
+            self.stage.remove_hooks()
+
+
+@register_strategy(
+    "sparse-allgather",
+    "coalesced sparse allgather of the embedding gradients (Horovod's way, coalesced) + dense allreduce",
+)
+class SparseAllgatherStrategy(EmbeddingSyncStrategy):
+    """Module docstring. Bytes per rank per table and step: one allgather of
+    ``(N-1) * max_q(rows_q) * (8 + D * itemsize)`` (:func:`lowband.sparse.costs.sparse_allgather_bytes`)."""
+
+    name = "sparse-allgather"
+
+    def sync_tables(self) -> None:
+        n = self.group.size
+        pending: list[tuple[nn.Embedding, Handle[Tensor]]] = []
+        for name, emb in self.tables:
+            w = emb.weight
+            rows = coalesce(self.ids[name])
+            vals = w.grad[rows] if w.grad is not None else w.new_zeros((rows.numel(), w.shape[1]))
+            pending.append((emb, iallgather(pack_rows(rows, vals.detach()), name=name, group=self.fast)))
+        for emb, h in pending:
+            w = emb.weight
+            ids, vals = unpack_rows(h.wait(), w.shape[1], w.dtype)
+            g = torch.zeros_like(w)
+            g.index_add_(0, ids, vals)  # every rank's rows in rank order: the same bits on every rank
+            w.grad = g.div_(n)
+
+
+@register_strategy(
+    "ddp-sparse", "torch DDP with the embedding tables as sparse=True (torch's sparse gradient path)"
+)
+class DDPSparseStrategy(DDPStrategy):
+    """torch DDP with every ``nn.Embedding`` of the model switched to ``sparse=True`` (on the model
+    given). DDP averages the sparse gradients (gloo: allgather of indices and values, one per token);
+    they are made dense before the torch optimizer steps (module docstring: optimizer semantics)."""
+
+    name = "ddp-sparse"
+
+    def __init__(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, bucket_cap_mb: float = 25.0
+    ) -> None:
+        self.tables = embedding_tables(model)
+        for _, emb in self.tables:
+            emb.sparse = True
+        super().__init__(model, make_optimizer, group, bucket_cap_mb=bucket_cap_mb)
+
+    def step(self) -> None:
+        for _, emb in self.tables:
+            g = emb.weight.grad
+            if g is not None and g.is_sparse:
+                emb.weight.grad = g.to_dense()
+        super().step()

@@ -1,0 +1,131 @@
+"""``dense-priority``: every gradient dense (embedding tables included), allreduced in priority order,
+chunked, and overlapped with the next forward: the scheduling of BytePS / ByteScheduler ("A Generic
+Communication Scheduler for Distributed DNN Training Acceleration"), without sparsity.
+
+After backward, the gradients are averaged layer by layer in forward (registration) order, the first
+layer's first, each layer's gradients cut into chunks of at most ``chunk_mb`` megabytes (views of the
+flat gradient) and issued as nonblocking allreduces; the order is fixed, the same on every rank (gloo
+runs a group's collectives in issue order, so a layer's chunks complete before the next layer's: the
+first layers' parameters are ready first). A layer is stepped (its own torch optimizer, one per
+layer: :class:`~lowband.optim.LayerwiseOptimizer`'s inner optimizers, with its hooks off) in the
+forward pre-hook of its module, just before the next forward reads it, so the communication of the
+later layers overlaps the forward of the earlier ones. :meth:`synchronize` completes and steps every
+layer (before evaluation and checkpoints).
+
+A layer's parameters must be read inside its module's forward (the modules are the hooks' points);
+a parameter shared by two modules belongs to the first that registers it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowband.comm.collectives import broadcast
+from lowband.comm.fusion import igrouped_allreduce
+from lowband.comm.handle import Handle
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
+from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.registry import register_strategy
+
+Tensor = torch.Tensor
+
+
+def chunk_views(grads: list[Tensor], chunk_bytes: int) -> list[Tensor]:
+    """Each gradient's flat view cut into pieces of at most ``chunk_bytes`` (in order)."""
+    out: list[Tensor] = []
+    for g in grads:
+        flat = g.view(-1)
+        step = max(1, chunk_bytes // max(1, g.element_size()))
+        out.extend(torch.split(flat, step))
+    return out
+
+
+@register_strategy(
+    "dense-priority",
+    "dense allreduce in forward (priority) order, chunked (chunk_mb), overlapped with the next forward "
+    "(BytePS/ByteScheduler's way)",
+)
+class DensePriorityStrategy(Strategy):
+    """Module docstring."""
+
+    name = "dense-priority"
+
+    def __init__(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, chunk_mb: float = 4.0
+    ) -> None:
+        if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
+            raise InvalidArgumentError(
+                f"DensePriorityStrategy: chunk_mb must be a number > 0, got {chunk_mb!r}"
+            )
+        self.chunk_mb = float(chunk_mb)
+        for t in model.state_dict().values():
+            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        self.fast = group.unchecked()
+        self.layers = parameter_layers(model)
+        lw = LayerwiseOptimizer(self.layers, make_optimizer)
+        lw.enabled = False  # stepped here, not from backward hooks
+        lw.remove_hooks()
+        self.lw = lw
+        self._pending: dict[int, Handle[list[Tensor]]] = {}
+        owners = {id(p): i for i, (_, ps) in enumerate(self.layers) for p in ps}
+        ref = weakref.ref(self)
+        self._hooks = []
+        for mod in model.modules():
+            mine = sorted({owners[id(p)] for p in mod.parameters(recurse=False) if id(p) in owners})
+            if not mine:
+                continue
+
+            def hook(_m: nn.Module, _a: tuple[Any, ...], keys: list[int] = mine) -> None:
+                me = ref()
+                if me is not None:
+                    for i in keys:
+                        me._finish(i)
+
+            self._hooks.append(mod.register_forward_pre_hook(hook))
+        super().__init__(model, lw, group)
+
+    def _finish(self, i: int) -> None:
+        h = self._pending.pop(i, None)
+        if h is None:
+            return
+        h.wait()
+        opt = self.lw.optimizers[i]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def zero_grad(self) -> None:
+        # layers still in flight keep their (averaged) gradients until their pre-hook steps them
+        for i, opt in enumerate(self.lw.optimizers):
+            if i not in self._pending:
+                opt.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        self.synchronize()  # layers the last forward did not read
+        chunk = int(self.chunk_mb * 2**20)
+        for i, (name, ps) in enumerate(self.layers):
+            grads = []
+            for p in ps:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+            views = chunk_views(grads, chunk)
+            self._pending[i] = igrouped_allreduce(
+                views, "average", inplace=True, name=name, group=self.fast, fusion_threshold=chunk
+            )
+
+    def synchronize(self) -> None:
+        for i in sorted(self._pending):
+            self._finish(i)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"chunk_mb": self.chunk_mb}
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
