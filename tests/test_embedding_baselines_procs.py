@@ -39,7 +39,7 @@ def _train_and_resume() -> tuple[list[float], list[float], bool]:
     return flat(whole).tolist(), flat(half).tolist(), sparse
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_ddp_sparse_equals_single_process_and_resumes(n: int) -> None:
     want = oracle(n, STEPS)
     for r, (whole, resumed, sparse) in enumerate(run_processes(_train_and_resume, n, timeout=180)):
