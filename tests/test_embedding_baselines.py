@@ -116,6 +116,12 @@ def _step_bytes(spec: str) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
     want: dict[str, int] = {}
     ids = {"emb": [batch(q, 0)[0] for q in range(n)], "out_emb": [batch(q, 0)[1] for q in range(n)]}
     tables = {"emb": m.emb, "out_emb": m.out_emb}
+    if name != "dense-priority":  # the report: ids looked up and distinct ids (coalesced rows) per step
+        rep = s.report()["tables"]
+        for t, e in tables.items():
+            assert rep[t]["lookups_per_step"] == ids[t][r].numel()
+            assert rep[t]["coalesced_rows_per_step"] == coalesce([ids[t][r]]).numel()
+            assert rep[t]["density"] == coalesce([ids[t][r]]).numel() / e.num_embeddings
     if name == "sparse-allgather":
         want["grouped_allreduce"] = sum(costs.allreduce_bytes(p.numel(), 8, n) for p in m.mlp.parameters())
         want["allgather"] = sum(

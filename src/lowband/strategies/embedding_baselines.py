@@ -94,6 +94,10 @@ class EmbeddingSyncStrategy(Strategy):
         units = dense_units(model, self.table_ids, self.bucket_mb)
         self.stage = GradientStage(units, AllreduceReducer(), group=group, where=where) if units else None
         self.ids: dict[str, list[Tensor]] = {n: [] for n, _ in self.tables}
+        #: this step's distinct ids per table (set in :meth:`step` before :meth:`sync_tables`)
+        self.coalesced: dict[str, Tensor] = {}
+        # per table: steps, ids looked up, distinct ids (for report())
+        self._seen = {n: [0, 0, 0] for n, _ in self.tables}
         ref = weakref.ref(self)
         self._hooks = []
         for name, emb in self.tables:
@@ -120,6 +124,12 @@ class EmbeddingSyncStrategy(Strategy):
     def step(self) -> None:
         if self.stage is not None:
             self.stage.wait()
+        self.coalesced = {n: coalesce(ids) for n, ids in self.ids.items()}
+        for n, ids in self.ids.items():
+            seen = self._seen[n]
+            seen[0] += 1
+            seen[1] += sum(i.numel() for i in ids)
+            seen[2] += self.coalesced[n].numel()
         self.sync_tables()
         for v in self.ids.values():
             v.clear()
@@ -131,6 +141,21 @@ class EmbeddingSyncStrategy(Strategy):
 
     def hparams(self) -> dict[str, Any]:
         return {"bucket_mb": self.bucket_mb}
+
+    def report(self) -> dict[str, Any]:
+        """Per table, means over this run's steps on this rank: ids looked up (one gradient row each
+        uncoalesced), distinct ids (the coalesced rows sent) and the density (distinct ids / rows)."""
+        out = {}
+        for name, emb in self.tables:
+            steps, looked, rows = self._seen[name]
+            k = max(steps, 1)
+            out[name] = {
+                "rows": emb.num_embeddings,
+                "lookups_per_step": looked / k,
+                "coalesced_rows_per_step": rows / k,
+                "density": rows / k / max(emb.num_embeddings, 1),
+            }
+        return {"tables": out}
 
     def extra_state(self) -> dict[str, Any]:
         return {"stage": self.stage.state_dict() if self.stage is not None else None}
@@ -165,7 +190,7 @@ class SparseAllgatherStrategy(EmbeddingSyncStrategy):
         pending: list[tuple[nn.Embedding, Handle[Tensor]]] = []
         for name, emb in self.tables:
             w = emb.weight
-            rows = coalesce(self.ids[name])
+            rows = self.coalesced[name]
             vals = w.grad[rows] if w.grad is not None else w.new_zeros((rows.numel(), w.shape[1]))
             pending.append((emb, iallgather(pack_rows(rows, vals.detach()), name=name, group=self.fast)))
         for emb, h in pending:

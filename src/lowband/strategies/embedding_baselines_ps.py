@@ -99,7 +99,7 @@ class EmbeddingPSStrategy(EmbeddingSyncStrategy):
         n = self.group.size
         for name, emb in self.tables:
             w, part, server = emb.weight, self.parts[name], self.servers[name]
-            rows, counts = part.by_owner(coalesce(self.ids[name]))
+            rows, counts = part.by_owner(self.coalesced[name])
             vals = w.grad[rows] if w.grad is not None else w.new_zeros((rows.numel(), w.shape[1]))
             buf, _ = alltoall(pack_rows(rows, vals.detach()), counts, name=f"{name}.push", group=self.fast)
             ids, got = unpack_rows(buf, w.shape[1], w.dtype)
