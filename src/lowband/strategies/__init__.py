@@ -9,6 +9,7 @@ from its own package the same way.
 from lowband.decentral import strategies as _decentral  # noqa: F401  (registers atc, awc, hierarchical-atc, winput, gradient-allreduce)
 from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers "dreamddp", "plsgd-enp", "flsgd-overlap")
 from lowband.strategies import compressed as _compressed  # noqa: F401  (registers "compressed")
+from lowband.strategies import embrace as _embrace  # noqa: F401  (registers "embrace")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
 from lowband.strategies import embedding_baselines as _emb  # noqa: F401  (registers "ddp-sparse", "sparse-allgather")
 from lowband.strategies import embedding_baselines_priority as _emb_prio  # noqa: F401  (registers "dense-priority")

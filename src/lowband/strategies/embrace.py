@@ -1,0 +1,214 @@
+"""The ``embrace`` strategy (EmbRace: "Accelerating Sparse Communication for Distributed Training of
+Deep Neural Networks"): every ``nn.Embedding`` of the model becomes a column-partitioned
+:class:`~lowband.sparse.PartitionedEmbedding` (AlltoAll of looked-up rows and of their gradients),
+the dense rest is allreduced on the gradient stage (the hybrid), and torch optimizers step: one over
+the replicated parameters, one over this rank's table columns (their state lives on this rank only).
+
+Spec: ``embrace:schedule=hybrid|vertical,bucket_mb=MB``.
+
+- ``hybrid``: the embedding gradients are exchanged in backward and stepped with the dense ones.
+- ``vertical``: Algorithm 1 (:mod:`lowband.sparse.vertical`): the rows the next batch of every rank
+  reads are exchanged and applied before its lookup, the rest in idle time (the end of the next step),
+  before evaluation and before a checkpoint (``synchronize``); undelivered rows go into
+  ``state_dict``. Needs a lazy optimizer on the tables: Adam runs as ``SparseAdam`` with its step
+  counter advanced once per iteration, SGD without momentum as is.
+
+Equivalence: both schedules train as the single-process model on every rank's batch with the ranks'
+losses averaged (``vertical`` with lazy Adam semantics on the tables). The tables' traffic runs on its
+own channel over the group, so it never interleaves with the stage's allreduces.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowband.comm.collectives import broadcast
+from lowband.errors import InvalidArgumentError
+from lowband.group import Group
+from lowband.optim.layerwise import parameter_layers
+from lowband.optim.reducer import AllreduceReducer, bucket_units, layer_units, parameter_names
+from lowband.optim.stage import GradientStage
+from lowband.runtime import open_member_group, world_group
+from lowband.sparse.embedding import PartitionedEmbedding
+from lowband.sparse.lazy import lazy_optimizer
+from lowband.sparse.vertical import VerticalSchedule
+from lowband.strategies import sharded_state
+from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.registry import register_strategy
+
+SCHEDULES = ("hybrid", "vertical")
+
+
+def _channel(group: Group) -> Group:
+    """A new process group over ``group``'s ranks for the tables' traffic."""
+    ctx, g = world_group(group, "strategy 'embrace'")
+    counts: dict[tuple[int, ...], int] = ctx.state.setdefault("lowband.sparse.channels", {})
+    gen = counts.get(g.ranks, 0)
+    counts[g.ranks] = gen + 1
+    return open_member_group(ctx, g, f"lowband/embrace/{'.'.join(map(str, g.ranks))}/{gen}", f"{g.name}/embrace")
+
+
+def partition_tables(model: nn.Module, group: Group) -> dict[str, PartitionedEmbedding]:
+    """Replaces every ``nn.Embedding`` of ``model`` by its :class:`PartitionedEmbedding` (this rank's
+    columns), named by its path in the model; returns them."""
+    tables: dict[str, PartitionedEmbedding] = {}
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Embedding):
+            if not name:
+                raise InvalidArgumentError("strategy 'embrace': the model itself is an nn.Embedding; wrap it in a module")
+            pe = PartitionedEmbedding.from_embedding(m, group, name=name)
+            model.set_submodule(name, pe)
+            tables[name] = pe
+    return tables
+
+
+class EmbraceStrategy(Strategy):
+    """Column-partitioned tables + allreduced dense parameters (module docstring)."""
+
+    name = "embrace"
+
+    def __init__(
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, schedule: str = "hybrid",
+        bucket_mb: float = 0.0,
+    ) -> None:  # fmt: skip
+        where = f"strategy 'embrace' on rank {group.rank}"
+        if schedule not in SCHEDULES:
+            raise InvalidArgumentError(f"{where}: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
+            raise InvalidArgumentError(f"{where}: bucket_mb must be a number >= 0, got {bucket_mb!r}")
+        self.schedule, self.bucket_mb = schedule, float(bucket_mb)
+        for t in model.state_dict().values():  # every replica starts from rank 0's model, as DDP does
+            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        self.tables = partition_tables(model, _channel(group))
+        if not self.tables:
+            raise InvalidArgumentError(f"{where}: the model has no nn.Embedding to partition")
+        table_params = {id(t.weight) for t in self.tables.values()}
+        dense = [p for p in model.parameters() if id(p) not in table_params]
+        if not dense:
+            raise InvalidArgumentError(f"{where}: the model has no parameter besides its embedding tables")
+        super().__init__(model, make_optimizer(dense), group)
+        shard_opt = make_optimizer([t.weight for t in self.tables.values()])
+        self.table_optimizer = shard_opt if schedule == "hybrid" else lazy_optimizer(shard_opt, where=where)
+        self.vertical = (
+            VerticalSchedule(self.tables, self.table_optimizer, 1.0 / group.size) if schedule == "vertical" else None
+        )
+        names = parameter_names(model)
+        if self.bucket_mb == 0:
+            layers = [(n, [p for p in ps if id(p) not in table_params]) for n, ps in parameter_layers(model)]
+            units = layer_units([(n, ps) for n, ps in layers if ps], names)
+        else:
+            units = [u for u in bucket_units(model, self.bucket_mb) if not any(id(p) in table_params for p in u.params)]
+            if sum(len(u.params) for u in units) != len(dense):
+                raise InvalidArgumentError(f"{where}: use bucket_mb=0 when a table shares a bucket with dense layers")
+        self.stage = GradientStage(units, AllreduceReducer(), group=group, where=where)
+
+    # -- training ---------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.table_optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, loss_fn: Any) -> float:
+        if self.vertical is not None:
+            self.vertical.iteration = self.steps + 1
+        return super().train_step(loss_fn)
+
+    def step(self) -> None:
+        self.stage.wait()
+        self.optimizer.step()
+        if self.vertical is None:
+            for t in self.tables.values():
+                if t.weight.grad is not None:
+                    t.weight.grad.div_(self.group.size)
+            self.table_optimizer.step()
+        else:  # idle time: the rows of earlier iterations that no lookup has needed yet
+            self.vertical.deliver_before(self.steps + 1)
+
+    def synchronize(self) -> None:
+        self.stage.wait()
+        if self.vertical is not None:
+            self.vertical.deliver_all()
+
+    def hparams(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "bucket_mb": self.bucket_mb}
+
+    def report(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "tables": {n: {"rows": t.num_embeddings, "columns": t.columns} for n, t in self.tables.items()}
+        }
+        if self.vertical is not None:
+            out["delivered_rows"] = dict(self.vertical.delivered_rows)
+        return out
+
+    # -- checkpoints: both optimizers in one torch-style optimizer state --------------------------
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer, self.table_optimizer]
+
+    def _optimizer_names(self) -> list[str]:
+        return [n for o in self._optimizers() for n in sharded_state.optimizer_param_names(o, self.local_module)]
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        merged: dict[str, Any] = {"state": {}, "param_groups": []}
+        offset = 0
+        for o in self._optimizers():
+            sd = o.state_dict()
+            merged["state"].update({offset + int(k): v for k, v in sd["state"].items()})
+            merged["param_groups"] += [{**g, "params": [offset + i for i in g["params"]]} for g in sd["param_groups"]]
+            offset += sum(len(g["params"]) for g in sd["param_groups"])
+        state["optimizer"] = merged
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("strategy") != self.name:
+            raise InvalidArgumentError(
+                f"EmbraceStrategy.load_state_dict: checkpoint is for strategy {state.get('strategy')!r}, not 'embrace'"
+            )
+        state = self._localize(state)
+        self.steps = int(state["steps"])
+        self.local_module.load_state_dict(state["model"])
+        saved = state["optimizer"]
+        offset, first_group = 0, 0
+        for o in self._optimizers():
+            n_groups = len(o.param_groups)
+            n = sum(len(g["params"]) for g in o.param_groups)
+            groups = saved["param_groups"][first_group : first_group + n_groups]
+            o.load_state_dict({
+                "state": {int(k) - offset: v for k, v in saved["state"].items() if offset <= int(k) < offset + n},
+                "param_groups": [{**g, "params": [i - offset for i in g["params"]]} for g in groups],
+            })  # fmt: skip
+            offset, first_group = offset + n, first_group + n_groups
+        self.load_extra_state(state.get("extra", {}))
+
+    def extra_state(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"stage": self.stage.state_dict(), "schedule": self.schedule}
+        if self.vertical is not None:
+            out["vertical"] = self.vertical.state_dict()
+        return out
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        where = f"EmbraceStrategy.load_state_dict on rank {self.group.rank}"
+        if state.get("schedule") != self.schedule:
+            raise InvalidArgumentError(
+                f"{where}: the checkpoint is of schedule {state.get('schedule')!r}, this strategy runs {self.schedule!r}"
+            )
+        self.stage.load_state_dict(state["stage"])
+        if self.vertical is not None:
+            self.vertical.load_state_dict(state["vertical"], self.group.size, where)
+
+    def close(self) -> None:
+        self.stage.remove_hooks()
+
+
+@register_strategy(
+    "embrace",
+    "EmbRace: column-partitioned embedding tables (AlltoAll) + allreduced dense layers "
+    "(schedule=hybrid|vertical, bucket_mb)",
+)
+def embrace(
+    model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, schedule: str = "hybrid",
+    bucket_mb: float = 0.0,
+) -> EmbraceStrategy:  # fmt: skip
+    return EmbraceStrategy(model, make_optimizer, group, schedule=schedule, bucket_mb=bucket_mb)
