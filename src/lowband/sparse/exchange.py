@@ -59,7 +59,7 @@ def ilookup(
     recv = [n_me * w for w in widths]
 
     def join(got: tuple[torch.Tensor, list[int]]) -> torch.Tensor:
-        blocks = [b.view(n_me, w) for b, w in zip(got[0].split(recv), widths, strict=True)]
+        blocks = [b.view(n_me, w) for b, w in zip(torch.split_with_sizes(got[0], recv), widths, strict=True)]
         return torch.cat(blocks, dim=1)
 
     return comm.ialltoall(send, splits, recv_splits=recv, name=f"{name}/lookup", group=group).map(join)
@@ -80,20 +80,26 @@ def iexchange_gradients(
     columns. ``masks`` must be the same on every rank."""
     me = group.rank
     picked = grad_rows[masks[me]]
-    send = torch.cat([b.reshape(-1) for b in picked.split(list(widths), dim=1)])
+    send = torch.cat([b.reshape(-1) for b in torch.split_with_sizes(picked, list(widths), dim=1)])
     n_sel = int(masks[me].sum())
     splits = [n_sel * w for w in widths]
     counts = [int(m.sum()) for m in masks]
     recv = [c * widths[me] for c in counts]
 
     def blocks(got: tuple[torch.Tensor, list[int]]) -> list[torch.Tensor]:
-        return [b.view(c, widths[me]) for b, c in zip(got[0].split(recv), counts, strict=True)]
+        return [
+            b.view(c, widths[me]) for b, c in zip(torch.split_with_sizes(got[0], recv), counts, strict=True)
+        ]
 
     return comm.ialltoall(send, splits, recv_splits=recv, name=f"{name}/grad", group=group).map(blocks)
 
 
 def sum_blocks(
-    blocks: list[torch.Tensor], rows: list[torch.Tensor], masks: list[torch.Tensor], width: int, dtype: torch.dtype
+    blocks: list[torch.Tensor],
+    rows: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    width: int,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The owner's sum of the received blocks: ``(union, values)`` with ``union`` the sorted distinct
     rows and ``values[k]`` the sum of every block row for ``union[k]``."""

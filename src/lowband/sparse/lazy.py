@@ -26,7 +26,9 @@ def lazy_optimizer(opt: torch.optim.Optimizer, *, where: str) -> torch.optim.Opt
     if type(opt) is torch.optim.Adam:
         bad = [k for k in ("weight_decay", "amsgrad", "maximize") if any(g.get(k) for g in groups)]
         if bad:
-            raise InvalidArgumentError(f"{where}: lazy Adam (SparseAdam) does not support {bad} on embedding tables")
+            raise InvalidArgumentError(
+                f"{where}: lazy Adam (SparseAdam) does not support {bad} on embedding tables"
+            )
         return torch.optim.SparseAdam(
             [{"params": g["params"], "lr": g["lr"], "betas": g["betas"], "eps": g["eps"]} for g in groups]
         )
@@ -60,11 +62,13 @@ def lazy_step(
         if fresh:  # torch creates the state on the first call: create it with an empty update
             for p in params:
                 p.grad = _empty(p) if p in fresh else None
-            opt.step()
+            opt.step()  # type: ignore[no-untyped-call]
     for p in params:
         st = opt.state.get(p)
         if st and "step" in st:
-            st["step"] = torch.tensor(float(iteration - 1)) if isinstance(st["step"], torch.Tensor) else iteration - 1
+            st["step"] = (
+                torch.tensor(float(iteration - 1)) if isinstance(st["step"], torch.Tensor) else iteration - 1
+            )
         p.grad = grads.get(p)
     opt.step()
     for p in params:

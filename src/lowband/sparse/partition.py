@@ -21,7 +21,9 @@ def column_partition(dim: int, world: int, *, table: str = "embedding") -> list[
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         raise InvalidArgumentError(f"column_partition: table {table!r} needs a dimension >= 1, got {dim!r}")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise InvalidArgumentError(f"column_partition: table {table!r}: world size must be >= 1, got {world!r}")
+        raise InvalidArgumentError(
+            f"column_partition: table {table!r}: world size must be >= 1, got {world!r}"
+        )
     if dim < world:
         raise InvalidArgumentError(
             f"column_partition: table {table!r} has dimension {dim} < {world} ranks: column partitioning "

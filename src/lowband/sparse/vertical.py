@@ -86,7 +86,9 @@ class VerticalSchedule:
         by_iter: dict[int, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         for part in parts:
             table = self.tables[part.table]
-            masks = [m if select is None else m & select(r) for m, r in zip(part.left, part.rows, strict=True)]
+            masks = [
+                m if select is None else m & select(r) for m, r in zip(part.left, part.rows, strict=True)
+            ]
             count = sum(int(m.sum()) for m in masks)
             if count == 0:
                 continue
@@ -129,7 +131,9 @@ class VerticalSchedule:
             )
         unknown = sorted({p["table"] for p in parts} - set(self.tables))
         if unknown:
-            raise InvalidArgumentError(f"{where}: the checkpoint's pending gradients are for unknown tables {unknown}")
+            raise InvalidArgumentError(
+                f"{where}: the checkpoint's pending gradients are for unknown tables {unknown}"
+            )
         self.iteration = int(state.get("iteration", 1))
         self.pending = [
             _Part(p["table"], int(p["iteration"]), list(p["rows"]), p["grad"], list(p["left"])) for p in parts

@@ -48,7 +48,9 @@ def _channel(group: Group) -> Group:
     counts: dict[tuple[int, ...], int] = ctx.state.setdefault("lowband.sparse.channels", {})
     gen = counts.get(g.ranks, 0)
     counts[g.ranks] = gen + 1
-    return open_member_group(ctx, g, f"lowband/embrace/{'.'.join(map(str, g.ranks))}/{gen}", f"{g.name}/embrace")
+    return open_member_group(
+        ctx, g, f"lowband/embrace/{'.'.join(map(str, g.ranks))}/{gen}", f"{g.name}/embrace"
+    )
 
 
 def partition_tables(model: nn.Module, group: Group) -> dict[str, PartitionedEmbedding]:
@@ -58,7 +60,9 @@ def partition_tables(model: nn.Module, group: Group) -> dict[str, PartitionedEmb
     for name, m in list(model.named_modules()):
         if isinstance(m, nn.Embedding):
             if not name:
-                raise InvalidArgumentError("strategy 'embrace': the model itself is an nn.Embedding; wrap it in a module")
+                raise InvalidArgumentError(
+                    "strategy 'embrace': the model itself is an nn.Embedding; wrap it in a module"
+                )
             pe = PartitionedEmbedding.from_embedding(m, group, name=name)
             model.set_submodule(name, pe)
             tables[name] = pe
@@ -93,16 +97,24 @@ class EmbraceStrategy(Strategy):
         shard_opt = make_optimizer([t.weight for t in self.tables.values()])
         self.table_optimizer = shard_opt if schedule == "hybrid" else lazy_optimizer(shard_opt, where=where)
         self.vertical = (
-            VerticalSchedule(self.tables, self.table_optimizer, 1.0 / group.size) if schedule == "vertical" else None
+            VerticalSchedule(self.tables, self.table_optimizer, 1.0 / group.size)
+            if schedule == "vertical"
+            else None
         )
         names = parameter_names(model)
         if self.bucket_mb == 0:
             layers = [(n, [p for p in ps if id(p) not in table_params]) for n, ps in parameter_layers(model)]
             units = layer_units([(n, ps) for n, ps in layers if ps], names)
         else:
-            units = [u for u in bucket_units(model, self.bucket_mb) if not any(id(p) in table_params for p in u.params)]
+            units = [
+                u
+                for u in bucket_units(model, self.bucket_mb)
+                if not any(id(p) in table_params for p in u.params)
+            ]
             if sum(len(u.params) for u in units) != len(dense):
-                raise InvalidArgumentError(f"{where}: use bucket_mb=0 when a table shares a bucket with dense layers")
+                raise InvalidArgumentError(
+                    f"{where}: use bucket_mb=0 when a table shares a bucket with dense layers"
+                )
         self.stage = GradientStage(units, AllreduceReducer(), group=group, where=where)
 
     # -- training ---------------------------------------------------------------------------------
@@ -147,7 +159,9 @@ class EmbraceStrategy(Strategy):
         return [self.optimizer, self.table_optimizer]
 
     def _optimizer_names(self) -> list[str]:
-        return [n for o in self._optimizers() for n in sharded_state.optimizer_param_names(o, self.local_module)]
+        return [
+            n for o in self._optimizers() for n in sharded_state.optimizer_param_names(o, self.local_module)
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -156,7 +170,9 @@ class EmbraceStrategy(Strategy):
         for o in self._optimizers():
             sd = o.state_dict()
             merged["state"].update({offset + int(k): v for k, v in sd["state"].items()})
-            merged["param_groups"] += [{**g, "params": [offset + i for i in g["params"]]} for g in sd["param_groups"]]
+            merged["param_groups"] += [
+                {**g, "params": [offset + i for i in g["params"]]} for g in sd["param_groups"]
+            ]
             offset += sum(len(g["params"]) for g in sd["param_groups"])
         state["optimizer"] = merged
         return state
