@@ -381,9 +381,10 @@ def test_launch_refuses_unguarded_main(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("argv", "said"),
-    [(["-n"], "-n needs a number of ranks >= 1, got no value"), (["-n", "0", "x.py"], "got '0'"),
-     (["-n0", "x.py"], "got '0'"), (["--nproc-per-node", "0", "x.py"], "--nproc-per-node needs"),
-     (["--np", "two", "x.py"], "--np needs a number of ranks >= 1, got 'two'")],
+    [(["-n"], "argument -n/--nproc-per-node/--nproc_per_node/--nprocs/--np: expected one argument"),
+     (["-n", "0", "x.py"], "got '0'"), (["-n0", "x.py"], "got '0'"),
+     (["--nproc-per-node", "0", "x.py"], "a number of ranks >= 1"),
+     (["--np", "two", "x.py"], "a number of ranks >= 1, got 'two'")],
 )  # fmt: skip
 def test_cli_run_bad_nprocs(argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
     from lowband.cli import main

@@ -9,17 +9,18 @@ from collections.abc import Sequence
 
 def _parser() -> argparse.ArgumentParser:
     from lowband.bench.cli import add_parsers
+    from lowband.run_cli import OneLineParser
     from lowband.testbed.cli import add_parser as add_testbed
 
-    p = argparse.ArgumentParser(prog="lowband", description="Training PyTorch models over slow links.")
+    p = OneLineParser(prog="lowband", description="Training PyTorch models over slow links.")
     sub = p.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser(
         "run",
-        help="run a script on N ranks (torchrun underneath)",
-        description="lowband run -n N [torchrun options] script.py [script args]: the script calls lowband.init().",
+        help="run your script on N ranks: torchrun underneath, or on emulated links with --rate "
+        "(lowband run --help)",
         add_help=False,
     )
-    run.add_argument("rest", nargs=argparse.REMAINDER)
+    run.add_argument("rest", nargs=argparse.REMAINDER, help="see lowband run --help")
     add_parsers(sub)
     add_testbed(sub)
     sub.add_parser("version", help="print the version")
@@ -29,21 +30,16 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["run"]:
-        rest = args[1:]
-        if not rest or rest[0] in ("-h", "--help"):
-            print("usage: lowband run -n N [torchrun options] script.py [script args]")
-            return 0 if rest else 2
-        from lowband.errors import InvalidArgumentError
-        from lowband.launcher import run_command
+        from lowband.run_cli import main as run_main
 
-        try:
-            return run_command(rest)
-        except InvalidArgumentError as exc:
-            print(
-                f"{exc}\nusage: lowband run -n N [torchrun options] script.py [script args]", file=sys.stderr
-            )
-            return 2
-    ns = _parser().parse_args(args)
+        return run_main(args[1:])
+    from lowband.run_cli import UsageError
+
+    try:
+        ns = _parser().parse_args(args)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     if ns.cmd == "version":
         import lowband
 

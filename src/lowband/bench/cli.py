@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lowband.bench.config import BenchConfig
-from lowband.errors import InvalidArgumentError
+from lowband.errors import InvalidArgumentError, LowbandError
+from lowband.run_cli import add_timeout
 
 
 def _rate(v: str) -> str | None:
@@ -53,7 +54,9 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
         help="strategies separated by '+', each name[:key=value,...] (default: "
         + ("every registered strategy" if not dflt.strategies else "+".join(dflt.strategies)) + ")",
     )  # fmt: skip
-    p.add_argument("-n", "--world-size", type=int, default=dflt.world_size)
+    p.add_argument(
+        "-n", "--world-size", type=int, default=dflt.world_size, help=f"ranks (default {dflt.world_size})"
+    )
     p.add_argument(
         "--rate", type=_rate, default=dflt.rate, help="per-rank link rate, e.g. 100mbit; 'none' = unshaped"
     )
@@ -69,14 +72,30 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
         default=dflt.mtu,
         help=f"MTU of the emulated links (default {dflt.mtu}, jumbo frames)",
     )
-    p.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
-    p.add_argument("--rounds", type=int, default=dflt.rounds)
-    p.add_argument("--steps-per-round", type=int, default=dflt.steps_per_round)
-    p.add_argument("--warmup-rounds", type=int, default=dflt.warmup_rounds)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--target-loss", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--mode", choices=["auto", "netns", "loopback"], default="auto",
+        help="auto: namespaces when root, else loopback (UNSHAPED); netns: fail without them; loopback: never shape",
+    )  # fmt: skip
+    p.add_argument(
+        "--rounds", type=int, default=dflt.rounds,
+        help=f"rounds; in each, every strategy trains --steps-per-round steps in turn (default {dflt.rounds})",
+    )  # fmt: skip
+    p.add_argument(
+        "--steps-per-round", type=int, default=dflt.steps_per_round,
+        help=f"steps of one strategy per round (default {dflt.steps_per_round})",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup-rounds", type=int, default=dflt.warmup_rounds,
+        help=f"first rounds left out of the timings (default {dflt.warmup_rounds})",
+    )  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=None, help="batch per rank (default: the workload's)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the workload's)")
+    p.add_argument(
+        "--target-loss", type=float, default=None,
+        help="time-to-target loss (default: chosen from the runs, see results.md)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of models and data (default 0)")
+    add_timeout(p, dflt.comm_timeout)
     p.add_argument(
         "--eval-items", type=int, default=dflt.eval_items,
         help=f"held-out items evaluated after each round (default {dflt.eval_items}; 0 = the whole test set)",
@@ -122,6 +141,7 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
         target_loss=ns.target_loss,
         seed=ns.seed,
         eval_items=ns.eval_items,
+        comm_timeout=ns.timeout,
         out_dir=out,
         **extra,  # type: ignore[arg-type]
     )
@@ -152,13 +172,18 @@ def _print_results(res: dict[str, object]) -> None:
 
 
 def _user_errors(cmd: str, main: Callable[[argparse.Namespace], int], ns: argparse.Namespace) -> int:
-    """A wrong argument or a refused run (too many ranks for the machine): its message, exit code 2."""
+    """A wrong argument or a refused run (too many ranks for the machine): its message, exit code 2
+    (before anything starts); a failed run: its message, exit code 1."""
     try:
         return main(ns)
     except InvalidArgumentError as e:
         msg = str(e)
         print(msg if msg.startswith("lowband ") else f"lowband {cmd}: {msg}", file=sys.stderr)
         return 2
+    except LowbandError as e:
+        msg = str(e)
+        print(msg if msg.startswith("lowband ") else f"lowband {cmd}: {msg}", file=sys.stderr)
+        return 1
 
 
 def main_bench(ns: argparse.Namespace) -> int:
@@ -171,14 +196,17 @@ def main_demo(ns: argparse.Namespace) -> int:
 
 def _bench(ns: argparse.Namespace) -> int:
     from lowband.bench.runner import run_bench, run_sweep
+    from lowband.bench.validate import describe_options
     from lowband.bench.workloads import workload_names
     from lowband.strategies import describe_strategies
+    from lowband.strategies.registry import STRATEGIES
 
     if ns.list:
         print("workloads: " + ", ".join(workload_names()))
         print("strategies:")
         for k, v in describe_strategies().items():
-            print(f"  {k:12s} {v}")
+            opts = describe_options(STRATEGIES.get(k))
+            print(f"  {k:12s} {v}" + (f"\n  {'':12s}   options: {opts}" if opts else ""))
         _list_compression()
         from lowband.bench.collectives import _OPS
 
@@ -189,9 +217,14 @@ def _bench(ns: argparse.Namespace) -> int:
     cfg = config_from_args(ns, "bench")
     if ns.sweep_rates or ns.sweep_world_sizes:
         rates = [_rate(r) for r in ns.sweep_rates.split(",")] if ns.sweep_rates else [cfg.rate]
-        sizes = (
-            [int(s) for s in ns.sweep_world_sizes.split(",")] if ns.sweep_world_sizes else [cfg.world_size]
-        )
+        try:
+            sizes = (
+                [int(s) for s in ns.sweep_world_sizes.split(",")]
+                if ns.sweep_world_sizes
+                else [cfg.world_size]
+            )
+        except ValueError as e:
+            raise InvalidArgumentError(f"--sweep-world-sizes: expected ints, e.g. 2,3,4 ({e})") from e
         res = run_sweep(cfg, rates, sizes, force=ns.force)
         print(res["table"])
         print(f"sweep results: {Path(cfg.out_dir) / 'sweep.json'}")

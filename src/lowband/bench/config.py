@@ -80,11 +80,10 @@ class BenchConfig:
             return
         if not self.strategies:
             raise bad("give at least one strategy")
-        from lowband.strategies import parse_strategy_spec, strategy_names
+        from lowband.bench.validate import check_strategy_specs, check_workload
 
-        for spec in self.strategies:
-            if parse_strategy_spec(spec)[0] not in strategy_names():
-                raise bad(f"unknown strategy {spec!r}; available: {', '.join(strategy_names())}")
+        check_workload(self.workload)
+        check_strategy_specs(self.strategies)
         if len(set(self.strategies)) != len(self.strategies):
             raise bad(f"strategies repeat: {self.strategies}")
         if self.world_size % self.ranks_per_machine:
@@ -98,8 +97,8 @@ class BenchConfig:
             raise bad(f"mode must be auto, netns or loopback, got {self.mode!r}")
         if self.batch_size is not None and self.batch_size < 1:
             raise bad(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.comm_timeout <= 0 or self.delay_ms < 0:
-            raise bad("comm_timeout must be > 0 and delay_ms >= 0")
+        if not 0 < self.comm_timeout < float("inf") or not self.delay_ms >= 0:
+            raise bad(f"timeout must be > 0 and delay_ms >= 0, got {self.comm_timeout}, {self.delay_ms}")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

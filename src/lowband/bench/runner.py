@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -25,15 +26,19 @@ from lowband.bench.report import legend, markdown_table, plot_all, sweep_table, 
 from lowband.bench.resources import check_resources, machine, rank_bytes
 from lowband.errors import LowbandError
 from lowband.testbed import Layout, Testbed
+from lowband.testbed.links import build_layout
 
 
 def make_layout(cfg: BenchConfig) -> Layout:
-    machines = cfg.world_size // cfg.ranks_per_machine
-    if cfg.ranks_per_machine > 1:
-        return Layout.two_tier(machines, cfg.ranks_per_machine, inter=cfg.rate, intra=cfg.intra_rate)
-    if cfg.rates is not None:
-        return Layout.heterogeneous(cfg.rates, delay_ms=cfg.delay_ms)
-    return Layout.flat(cfg.world_size, cfg.rate, delay_ms=cfg.delay_ms)
+    return build_layout(
+        cfg.world_size,
+        rate=cfg.rate,
+        rates=cfg.rates,
+        ranks_per_machine=cfg.ranks_per_machine,
+        intra_rate=cfg.intra_rate,
+        delay_ms=cfg.delay_ms,
+        where="lowband bench",
+    )
 
 
 def link_shares(layout: Layout) -> list[Rates]:
@@ -59,6 +64,19 @@ def _follow(stream: IO[bytes], bar: tqdm, log: IO[str]) -> None:
         else:
             log.write(line + "\n")
             log.flush()
+
+
+def _last_error(log: Path) -> str:
+    """The last ``SomeError: message`` line of a rank's log (its own error, after the traceback)."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    errors = [x for x in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b", x)]
+    return errors[-1] if errors else (lines[-1] if lines else "(empty log)")
+
+
+def failed_ranks(codes: list[int], logs: Path) -> str:
+    """One line per failed rank: its exit code and its own error; the tracebacks stay in the logs."""
+    out = [f"  rank {r} exited {c}: {_last_error(logs / f'rank{r}.log')}" for r, c in enumerate(codes) if c]
+    return "\n".join(out or ["  every rank exited 0 but rank 0 wrote no results"]) + f"\n  (logs: {logs})"
 
 
 def check_machine(cfg: BenchConfig) -> None:
@@ -114,19 +132,14 @@ def run_bench(
             bar = tqdm(desc=f"bench {what}, {tb.label()}", unit=unit, disable=quiet, file=sys.stderr)
             follower = threading.Thread(target=_follow, args=(procs[0].stdout, bar, logs[0]), daemon=True)
             follower.start()
-            codes = tb.wait(procs, timeout)
+            codes = tb.wait(procs, timeout, grace=10.0)
             follower.join(timeout=10)
             bar.close()
         finally:
             for f in logs:
                 f.close()
         if any(codes) or not (out / "raw.json").exists():
-            tails = []
-            for r, c in enumerate(codes):
-                if c:
-                    text = (out / "logs" / f"rank{r}.log").read_text(errors="replace")[-3000:]
-                    tails.append(f"--- rank {r} exited {c}; end of {out / 'logs' / f'rank{r}.log'}:\n{text}")
-            raise LowbandError("lowband bench: the ranks failed\n" + "\n".join(tails))
+            raise LowbandError("lowband bench: the ranks failed\n" + failed_ranks(codes, out / "logs"))
         shaped, label = tb.shaped, tb.label()
     raw = json.loads((out / "raw.json").read_text())
     link_rate = layout.bottleneck() if shaped else None

@@ -252,3 +252,35 @@ def _check_count(what: str, value: int) -> None:
         raise InvalidArgumentError(f"testbed {what}: expected an int, got {value!r}")
     if value < 1:
         raise InvalidArgumentError(f"testbed {what}: must be >= 1, got {value}")
+
+
+def build_layout(
+    world_size: int,
+    *,
+    rate: RateLike = None,
+    rates: Sequence[RateLike] | None = None,
+    ranks_per_machine: int = 1,
+    intra_rate: RateLike = None,
+    delay_ms: float = 0.0,
+    where: str = "testbed",
+) -> Layout:
+    """The layout of the command-line options shared by ``lowband bench`` and ``lowband run``:
+    ``world_size`` ranks, ``ranks_per_machine`` per machine, every machine at ``rate`` (or ``rates[m]``,
+    one per machine), ``intra_rate`` inside a machine, ``delay_ms`` one-way delay on each machine link."""
+    _check_count(f"{where}: world size", world_size)
+    _check_count(f"{where}: ranks per machine", ranks_per_machine)
+    if world_size % ranks_per_machine:
+        raise InvalidArgumentError(
+            f"{where}: ranks per machine ({ranks_per_machine}) must divide the world size ({world_size})"
+        )
+    machines = world_size // ranks_per_machine
+    if rates is not None and len(rates) != machines:
+        raise InvalidArgumentError(
+            f"{where}: --rates has {len(rates)} entries; need one per machine ({machines})"
+        )
+    per_machine = list(rates) if rates is not None else [rate] * machines
+    return Layout(
+        machines=tuple(LinkSpec.of(r, delay_ms=delay_ms) for r in per_machine),
+        ranks_per_machine=ranks_per_machine,
+        intra=parse_rate(intra_rate),
+    )

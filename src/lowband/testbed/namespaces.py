@@ -63,12 +63,23 @@ def tbf_args(rate: float, mtu: int = DEFAULT_MTU) -> list[str]:
 def read_iface_bytes(ifname: str) -> tuple[int, int]:
     """(tx_bytes, rx_bytes) of interface ``ifname`` in the calling process's network namespace."""
     with open("/proc/net/dev") as f:
-        for line in f.readlines()[2:]:
-            name, _, data = line.partition(":")
-            if name.strip() == ifname:
-                fields = data.split()
-                return int(fields[8]), int(fields[0])
-    raise InvalidArgumentError(f"lowband.testbed.read_iface_bytes: no interface {ifname!r} in this namespace")
+        return _parse_net_dev(f.read(), ifname, "this namespace")
+
+
+def netns_iface_bytes(ns: str, ifname: str) -> tuple[int, int]:
+    """(tx_bytes, rx_bytes) of interface ``ifname`` in network namespace ``ns`` (read from outside it,
+    so also before its processes start and after they end)."""
+    res = run_cmd(["ip", "netns", "exec", ns, "cat", "/proc/net/dev"])
+    return _parse_net_dev(res.stdout, ifname, f"namespace {ns}")
+
+
+def _parse_net_dev(text: str, ifname: str, where: str) -> tuple[int, int]:
+    for line in text.splitlines()[2:]:
+        name, _, data = line.partition(":")
+        if name.strip() == ifname:
+            fields = data.split()
+            return int(fields[8]), int(fields[0])
+    raise InvalidArgumentError(f"lowband.testbed.read_iface_bytes: no interface {ifname!r} in {where}")
 
 
 def _tbf(ns: str, dev: str, rate: float, mtu: int) -> None:

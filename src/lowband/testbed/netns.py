@@ -37,7 +37,13 @@ from lowband.testbed.leftovers import (
     list_testbeds,
 )
 from lowband.testbed.links import DEFAULT_MTU, Layout, check_mtu
-from lowband.testbed.namespaces import RANK_IF, build_links, read_iface_bytes, shaping_available
+from lowband.testbed.namespaces import (
+    RANK_IF,
+    build_links,
+    netns_iface_bytes,
+    read_iface_bytes,
+    shaping_available,
+)
 from lowband.testbed.procs import kill_group, start_procs, wait_procs
 
 __all__ = [
@@ -287,12 +293,72 @@ class Testbed:
         self.procs.extend(procs)
         return procs
 
+    def machine_env(self, machine: int) -> dict[str, str]:
+        """The environment of a process standing for a whole machine (a launcher agent started by
+        :meth:`spawn_machines`): its interface names and the machine's address, no rank."""
+        if (
+            isinstance(machine, bool)
+            or not isinstance(machine, int)
+            or not 0 <= machine < self.layout.n_machines
+        ):
+            raise InvalidArgumentError(
+                f"lowband.testbed: machine must be an int in [0, {self.layout.n_machines}), got {machine!r}"
+            )
+        ifname = RANK_IF if self.shaped else "lo"
+        return {
+            "GLOO_SOCKET_IFNAME": ifname,
+            "LOWBAND_TESTBED_IFNAME": ifname,
+            "LOWBAND_TESTBED_SHAPED": "1" if self.shaped else "0",
+            "LOWBAND_TESTBED_ADDR": self.address(machine),
+        }
+
+    def spawn_machines(
+        self,
+        argvs: Sequence[Sequence[str]],
+        env: Mapping[str, str] | None = None,
+        stdout: Any = None,
+        stderr: Any = None,
+    ) -> list[subprocess.Popen[bytes]]:
+        """Start ``argvs[m]`` once in each machine's namespace (a launcher agent per machine, as on a
+        real cluster), with ``os.environ`` + ``env`` + :meth:`machine_env`; killed on tear-down."""
+        if not self._up:
+            raise LowbandError("lowband.testbed.spawn_machines: the testbed is not up")
+        if len(argvs) != self.layout.n_machines or any(isinstance(a, str) or not a for a in argvs):
+            raise InvalidArgumentError(
+                f"lowband.testbed.spawn_machines: need one non-empty argv per machine "
+                f"({self.layout.n_machines}), got {argvs!r}"
+            )
+        cmds = [
+            ["ip", "netns", "exec", self.machine_ns(m), *a] if self.shaped else list(a)
+            for m, a in enumerate(argvs)
+        ]
+        envs = [{**os.environ, **(env or {}), **self.machine_env(m)} for m in range(len(argvs))]
+        procs = start_procs(cmds, envs, stdout=stdout, stderr=stderr, what="lowband.testbed.spawn_machines")
+        self.procs.extend(procs)
+        return procs
+
+    def link_bytes(self) -> list[dict[str, int]]:
+        """Per machine, the kernel's byte counters now: ``tx``/``rx`` of its link to the bridge and
+        ``local`` (bytes over its loopback: traffic between ranks of one machine). Empty in loopback
+        mode, where every rank shares this machine's ``lo``."""
+        out = []
+        for m in range(self.layout.n_machines if self.shaped else 0):
+            tx, rx = netns_iface_bytes(self.machine_ns(m), RANK_IF)
+            out.append({"tx": tx, "rx": rx, "local": netns_iface_bytes(self.machine_ns(m), "lo")[0]})
+        return out
+
     def wait(
-        self, procs: Sequence[subprocess.Popen[bytes]], timeout: float, *, grace: float = 30.0
+        self,
+        procs: Sequence[subprocess.Popen[bytes]],
+        timeout: float,
+        *,
+        grace: float = 30.0,
+        exited: list[int] | None = None,
     ) -> list[int]:
         """Wait for every process; returns their exit codes in order (a killed one reads -9).
 
         Once one exits non-zero the others get ``grace`` seconds, then are killed. Past ``timeout``
         everything left is killed and :class:`CommTimeoutError` names the ranks still running.
+        ``exited`` (a list) receives the ranks in the order they were seen to end.
         """
-        return wait_procs(procs, timeout, grace=grace)
+        return wait_procs(procs, timeout, grace=grace, exited=exited)

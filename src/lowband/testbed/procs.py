@@ -59,8 +59,15 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def wait_procs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, *, grace: float = 30.0) -> list[int]:
-    """:meth:`Testbed.wait` for any processes started with ``start_new_session=True``."""
+def wait_procs(
+    procs: Sequence[subprocess.Popen[bytes]],
+    timeout: float,
+    *,
+    grace: float = 30.0,
+    exited: list[int] | None = None,
+) -> list[int]:
+    """:meth:`Testbed.wait` for any processes started with ``start_new_session=True``; ``exited``, when
+    given, receives the indices of the processes in the order they were seen to end."""
     if timeout <= 0 or grace < 0:
         raise InvalidArgumentError(
             f"lowband.testbed.wait: need timeout > 0 and grace >= 0, got {timeout}, {grace}"
@@ -69,6 +76,8 @@ def wait_procs(procs: Sequence[subprocess.Popen[bytes]], timeout: float, *, grac
     kill_at: float | None = None
     while True:
         codes = [p.poll() for p in procs]
+        if exited is not None:
+            exited.extend(r for r, c in enumerate(codes) if c is not None and r not in exited)
         running = [r for r, c in enumerate(codes) if c is None]
         if not running:
             return [int(c) for c in codes if c is not None]

@@ -1,0 +1,284 @@
+"""``lowband run``: a user's script on N ranks.
+
+Without a link option it is torchrun with lowband's defaults (:func:`lowband.launcher.run_command`:
+one machine with its store on 127.0.0.1, or torchrun's multi-host rendezvous). With one (``--rate``,
+``--rates``, ``--ranks-per-machine``, ``--intra-rate``, ``--delay-ms``, ``--mode``) the ranks run inside
+the testbed's emulated links (:func:`lowband.testbed.run.run_script`), as ``lowband bench`` runs its
+ranks, and the bytes each link carried are printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from lowband.errors import InvalidArgumentError, LowbandError
+from lowband.testbed.links import DEFAULT_MTU, Layout, build_layout, check_mtu, parse_rate
+
+LINK_OPTIONS = ("rate", "rates", "ranks_per_machine", "intra_rate", "delay_ms", "mtu", "mode")
+#: torchrun's options that only make sense without the testbed (it emulates every machine here)
+HOST_OPTIONS = (
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_backend",
+    "rdzv_id",
+    "master_addr",
+    "master_port",
+)
+
+DESCRIPTION = """\
+Run SCRIPT on N ranks; the script calls lowband.init() (or torch.distributed.init_process_group).
+
+  lowband run -n 4 train.py --lr 0.1                  torchrun underneath, one machine
+  lowband run -n 4 --rate 100mbit train.py            every rank behind its own 100 Mbit/s link
+  lowband run -n 8 --ranks-per-machine 4 --rate 1gbit --intra-rate 10gbit train.py
+  lowband run -n 4 --nnodes 2 --rdzv-endpoint HOST:29400 train.py    on each of 2 hosts
+
+A link option (--rate, --rates, --ranks-per-machine, --intra-rate, --delay-ms, --mtu, --mode) runs the ranks
+in the testbed: network namespaces joined by rate-limited links, as `lowband bench` uses (needs root;
+otherwise plain loopback, labelled UNSHAPED). At the end it prints the bytes each rank (each machine,
+when ranks share one) sent and received: the kernel's counters of its link, so everything the script
+sent counts, framing and rendezvous included. Ctrl-C, a failed rank or an error remove every rank and
+namespace."""
+
+EPILOG = """\
+Other torchrun options (--max-restarts, --rdzv-conf, --log-dir, ...) are passed to torchrun as given,
+without a link option. With --rdzv-endpoint and no --rdzv-backend the rendezvous is torchrun's c10d."""
+
+
+class UsageError(Exception):
+    """A wrong command line: one line for stderr; the command exits with status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one :class:`UsageError` line naming ``--help`` (the command
+    prints it on stderr and exits with status 2), never a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
+def _rate(value: str) -> str | None:
+    if value.strip().lower() in ("none", "unshaped", "unlimited", "inf", "0"):
+        return None
+    try:
+        parse_rate(value)
+    except InvalidArgumentError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("testbed rate: ")) from exc
+    return value
+
+
+def count_arg(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a number of ranks >= 1, got {value!r}")
+    return int(value)
+
+
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = float("nan")
+    if not s > 0 or s == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
+    return s
+
+
+def add_timeout(p: argparse.ArgumentParser | Any, default: float | None) -> None:
+    """The communication timeout option shared by ``lowband run`` and ``lowband bench``."""
+    said = "lowband's default, 120 s, or LOWBAND_TIMEOUT" if default is None else f"{default:g} s"
+    p.add_argument(
+        "--timeout", type=_seconds, default=default, metavar="SECONDS",
+        help="communication timeout: a rank waiting longer than this on another (a stopped or dead "
+        f"rank) fails with a lowband error, and the run ends (default: {said})",
+    )  # fmt: skip
+
+
+def add_link_options(links: Any) -> None:
+    """The testbed's link options, shared by ``lowband run`` and ``lowband testbed up``."""
+    links.add_argument("--rate", type=_rate, help="link rate of every emulated machine, e.g. 100mbit, 1gbit")
+    links.add_argument(
+        "--rates", help="one rate per machine, comma separated, e.g. 1gbit,100mbit (heterogeneous)"
+    )
+    links.add_argument(
+        "--ranks-per-machine", type=count_arg, metavar="K",
+        help="K ranks share each emulated machine and its link (two-tier; default 1)",
+    )  # fmt: skip
+    links.add_argument(
+        "--intra-rate", type=_rate, help="rate between ranks of one machine (default unshaped)"
+    )
+    links.add_argument(
+        "--delay-ms", "--delay", type=float, metavar="MS",
+        help="one-way delay added to every machine's link, in ms (needs iptables and NetfilterQueue)",
+    )  # fmt: skip
+    links.add_argument(
+        "--mtu", type=int, default=DEFAULT_MTU, help=f"MTU of the emulated links (default {DEFAULT_MTU})"
+    )
+    links.add_argument(
+        "--mode", choices=["auto", "netns", "loopback"],
+        help="auto: namespaces when root, else loopback (UNSHAPED); netns: fail without them; loopback: never shape",
+    )  # fmt: skip
+
+
+def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
+    """The ``lowband run`` parser (its ``--help`` page); ``with_script=False`` leaves the positionals out
+    (the options before the script are parsed on their own, see :func:`split_argv`)."""
+    p = OneLineParser(
+        prog="lowband run",
+        allow_abbrev=False,  # an abbreviation could take one of torchrun's options for lowband's
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "-n", "--nproc-per-node", "--nproc_per_node", "--nprocs", "--np", dest="nproc", type=count_arg,
+        metavar="N", help="ranks on this machine; with a link option, ranks in all (over every emulated machine)",
+    )  # fmt: skip
+    p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
+    add_timeout(p, None)
+    links = p.add_argument_group("emulated links (the testbed)")
+    add_link_options(links)
+    links.add_argument("--time-limit", type=_seconds, metavar="SECONDS", help="stop every rank after SECONDS")
+    links.add_argument(
+        "--report", metavar="PATH", help="also write the byte counters and exit codes as JSON to PATH"
+    )
+    hosts = p.add_argument_group("several machines (torchrun's, without a link option)")
+    hosts.add_argument("--nnodes", help="number of machines (torchrun's MIN[:MAX])")
+    hosts.add_argument("--node-rank", "--node_rank", help="this machine's rank (static rendezvous)")
+    hosts.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", metavar="HOST:PORT",
+        help="rendezvous store of the job: one host's address and a free port, the same on every machine",
+    )  # fmt: skip
+    hosts.add_argument(
+        "--rdzv-backend", "--rdzv_backend", help="rendezvous backend (default c10d with --rdzv-endpoint)"
+    )
+    hosts.add_argument("--rdzv-id", "--rdzv_id", help="job id, the same on every machine")
+    hosts.add_argument("--master-addr", "--master_addr", help="static rendezvous: the address of node rank 0")
+    hosts.add_argument("--master-port", "--master_port", help="static rendezvous: its port")
+    hosts.add_argument(
+        "--standalone", action="store_true", help="one machine (the default without the above)"
+    )
+    if with_script:
+        p.add_argument("script", help="the training script (or module, with -m)")
+        p.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return p
+
+
+def split_argv(argv: Sequence[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """``(options, [script, *script args])``: the script is the first word that is not an option or an
+    option's value (lowband's options and torchrun's)."""
+    from torch.distributed.run import get_args_parser
+
+    takes = {
+        o
+        for p in (parser, get_args_parser())
+        for action in p._actions
+        for o in action.option_strings
+        if action.nargs != 0
+    }
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return list(argv[:i]), list(argv[i + 1 :])
+        if not a.startswith("-"):
+            return list(argv[:i]), list(argv[i:])
+        i += 2 if a in takes else 1
+    return list(argv), []
+
+
+def _torchrun_argv(ns: argparse.Namespace, passthrough: list[str], rest: list[str]) -> list[str]:
+    out = [] if ns.nproc is None else ["--nproc-per-node", str(ns.nproc)]
+    for name in HOST_OPTIONS:
+        value = getattr(ns, name)
+        if value is not None:
+            out += ["--" + name.replace("_", "-"), value]
+    if ns.rdzv_endpoint and ns.rdzv_backend is None:
+        out += ["--rdzv-backend", "c10d"]
+    out += ["--standalone"] if ns.standalone else []
+    return out + passthrough + (["-m"] if ns.module else []) + rest
+
+
+def main(argv: Sequence[str]) -> int:
+    """``lowband run ...``; returns the exit status (2 for a wrong command line, before anything starts)."""
+    try:
+        return _main(argv)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def _main(argv: Sequence[str]) -> int:
+    parser = run_parser(with_script=False)
+    opts, rest = split_argv(argv, parser)
+    if not argv or any(o in ("-h", "--help") for o in opts):
+        run_parser().print_help()
+        return 0 if argv else 2
+    ns, passthrough = parser.parse_known_args(opts)
+    if not rest:
+        parser.error("give the script to run")
+    link_flags = {o for a in parser._actions if a.dest in LINK_OPTIONS for o in a.option_strings}
+    testbed = any(o.partition("=")[0] in link_flags for o in opts)  # `--rate none` counts
+    if ns.timeout is not None:
+        os.environ["LOWBAND_TIMEOUT"] = f"{ns.timeout:g}"  # read by lowband.init on every rank
+    if not testbed:
+        from lowband.launcher import run_command
+
+        if ns.report or ns.time_limit:
+            parser.error("--report and --time-limit go with a link option (--rate, ...)")
+
+        try:
+            return run_command(_torchrun_argv(ns, passthrough, rest))
+        except InvalidArgumentError as exc:
+            parser.error(str(exc).removeprefix("lowband run: "))
+    hosts = [f"--{k.replace('_', '-')}" for k in HOST_OPTIONS if getattr(ns, k) is not None]
+    extra = hosts + passthrough + (["--standalone"] if ns.standalone else [])
+    if extra:
+        parser.error(
+            f"{' '.join(extra)}: not with a link option (the testbed emulates every machine on this one; "
+            "torchrun's options apply without --rate)"
+        )
+    if ns.nproc is None:
+        parser.error("-n N: give the number of ranks")
+    layout = layout_from_args(ns, parser)
+    from lowband.testbed.run import run_script
+
+    script = ["-m", *rest] if ns.module else rest
+    if not ns.module and not os.path.exists(rest[0]):
+        parser.error(f"no script {rest[0]!r}")
+    try:
+        return run_script(
+            layout, script, mode=ns.mode or "auto", mtu=ns.mtu, time_limit=ns.time_limit, report=ns.report
+        )
+    except KeyboardInterrupt:
+        print("lowband run: interrupted; every rank stopped and the testbed removed", file=sys.stderr)
+        return 130
+
+
+def layout_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Layout:
+    """The layout of :func:`add_link_options`' options for ``ns.nproc`` ranks, or a one-line error
+    (an unusable delay included: what to install)."""
+    try:
+        check_mtu("--mtu", ns.mtu)
+        layout = build_layout(
+            ns.nproc,
+            rate=ns.rate,
+            rates=ns.rates.split(",") if ns.rates else None,
+            ranks_per_machine=ns.ranks_per_machine or 1,
+            intra_rate=ns.intra_rate,
+            delay_ms=ns.delay_ms or 0.0,
+            where="--ranks-per-machine/--rates",
+        )
+        if layout.machines[0].delay_ms > 0 and (ns.mode or "auto") != "loopback":
+            from lowband.testbed.delay import require_delay
+
+            require_delay()
+    except InvalidArgumentError as exc:
+        parser.error(str(exc).removeprefix("testbed "))
+    except LowbandError as exc:  # the delay's missing packages: what to install, in one line
+        parser.error(str(exc).removeprefix("lowband.testbed: "))
+    return layout

@@ -1,0 +1,115 @@
+"""A user's own script on emulated links (``lowband run --rate ...``): one process per rank inside the
+testbed's namespaces, the same processes and clean-up as ``lowband bench`` (:class:`Testbed`), then
+the bytes each machine's link carried.
+
+Bytes are the kernel's interface counters of each machine's link to the bridge (``veth0`` in its
+namespace), read before the ranks start and after the last one ends. They count everything the
+script sent, whether through lowband, torch.distributed directly (DDP, gloo) or anything else, with
+TCP/IP/Ethernet framing and the rendezvous included; lowband's own op counters
+(:func:`lowband.tracing.counters`) would see only the payload of ops that go through lowband. With
+several ranks on a machine the link is shared, so the figures are per machine, and the traffic
+between the machine's own ranks (its loopback) is given apart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from lowband.errors import CommTimeoutError
+from lowband.testbed.links import Layout
+from lowband.testbed.netns import Testbed
+
+#: seconds the other ranks get to finish (and print their own errors) after one rank failed
+GRACE_S = 10.0
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def byte_lines(layout: Layout, before: list[dict[str, int]], after: list[dict[str, int]]) -> list[str]:
+    """The per-rank (or per-machine, when ranks share one) byte report, one line each."""
+    k = layout.ranks_per_machine
+    lines = []
+    for m, (b, a) in enumerate(zip(before, after)):
+        who = f"rank {m}" if k == 1 else f"machine {m} (ranks {m * k}-{m * k + k - 1})"
+        line = f"  {who:<24s} sent {_mb(a['tx'] - b['tx']):>11s}  received {_mb(a['rx'] - b['rx']):>11s}"
+        if k > 1:
+            line += f"  inside the machine {_mb(a['local'] - b['local'])}"
+        lines.append(line)
+    return lines
+
+
+def run_script(
+    layout: Layout,
+    argv: Sequence[str],
+    *,
+    mode: str = "auto",
+    mtu: int,
+    env: dict[str, str] | None = None,
+    time_limit: float | None = None,
+    report: str | None = None,
+    out: IO[str] | None = None,
+) -> int:
+    """Run ``python ARGV`` on every rank of ``layout`` in the testbed; print the link bytes; returns the
+    exit status (0, or 1 when a rank failed or the time limit passed). Everything the testbed made is
+    removed on return, on an exception and on SIGINT/SIGTERM."""
+    out = out or sys.stdout
+    limit = math.inf if time_limit is None else time_limit
+    with Testbed(layout, mode=mode, mtu=mtu) as tb:
+        print(f"lowband run: {tb.label()}", file=sys.stderr, flush=True)
+        before = tb.link_bytes()
+        procs = tb.spawn([sys.executable, *argv], env={"PYTHONUNBUFFERED": "1", **(env or {})})
+        timed_out, order = "", list[int]()
+        try:
+            codes = tb.wait(procs, limit, grace=GRACE_S, exited=order)
+        except CommTimeoutError as exc:
+            timed_out = str(exc)
+            codes = [p.returncode if p.returncode is not None else -9 for p in procs]
+        after = tb.link_bytes()
+        label, shaped = tb.label(), tb.shaped
+    failed = [(r, c) for r, c in enumerate(codes) if c != 0]
+    if shaped:
+        print(f"lowband run: bytes on the emulated links ({label}; kernel interface counters):", file=out)
+        for line in byte_lines(layout, before, after):
+            print(line, file=out)
+    else:
+        print(
+            f"lowband run: {label}; bytes not measured (every rank shares this machine's loopback)",
+            file=out,
+        )
+    if timed_out:
+        print(f"lowband run: {timed_out}", file=sys.stderr)
+    elif failed:
+        first = next((r for r in order if codes[r] != 0), failed[0][0])
+        print(
+            f"lowband run: rank {first} exited with code {codes[first]} first; exit codes {codes} "
+            f"(a rank still running {GRACE_S:g} s after the first failure is stopped)",
+            file=sys.stderr,
+        )
+    if report:
+        _write_report(Path(report), label, shaped, layout, codes, before, after)
+    return 1 if failed or timed_out else 0
+
+
+def _write_report(
+    path: Path,
+    label: str,
+    shaped: bool,
+    layout: Layout,
+    codes: list[int],
+    before: list[dict[str, int]],
+    after: list[dict[str, int]],
+) -> None:
+    machines: list[dict[str, Any]] = []
+    k = layout.ranks_per_machine
+    for m, (b, a) in enumerate(zip(before, after)):
+        delta = {key: a[key] - b[key] for key in ("tx", "rx", "local")}
+        machines.append({"machine": m, "ranks": list(range(m * k, m * k + k)), **delta})
+    data = {"testbed": label, "shaped": shaped, "exit_codes": codes, "machines": machines}
+    path.write_text(json.dumps(data, indent=1))
