@@ -109,6 +109,7 @@ def test_run_rejects_bad_command_lines_in_one_line(
         (["-s", "ddp+ddp"], "strategies repeat"),
         (["-w", "nosuch"], "unknown workload 'nosuch'"),
         (["-n", "2", "--rates", "1gbit"], "need one per machine (2)"),
+        (["--rate", "fast"], "cannot parse 'fast'"),
         (["--timeout", "-1"], "seconds > 0, got '-1'"),
         (["--sweep-world-sizes", "2,x"], "--sweep-world-sizes: expected ints"),
     ],

@@ -117,6 +117,7 @@ def test_two_hosts_each_with_its_own_torchrun_agent(tmp_path: Path) -> None:
         argvs = [
             [PY, "-m", "lowband.cli", "run", "--nnodes", "2", "-n", "2", "--rdzv-endpoint", endpoint,
              "--rdzv-id", "twohost", "--rdzv-conf", f"is_host={1 if m == 0 else 0}", "--max-restarts", "0",
+             "--local-addr", tb.address(m),
              "--timeout", "60", str(SCRIPT), "twohost", str(tmp_path)]
             for m in range(2)
         ]  # fmt: skip

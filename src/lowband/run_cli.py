@@ -157,6 +157,10 @@ def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
         "--rdzv-backend", "--rdzv_backend", help="rendezvous backend (default c10d with --rdzv-endpoint)"
     )
     hosts.add_argument("--rdzv-id", "--rdzv_id", help="job id, the same on every machine")
+    hosts.add_argument(
+        "--local-addr", "--local_addr", metavar="ADDR",
+        help="this machine's address as the others reach it (default: its hostname's)",
+    )  # fmt: skip
     hosts.add_argument("--master-addr", "--master_addr", help="static rendezvous: the address of node rank 0")
     hosts.add_argument("--master-port", "--master_port", help="static rendezvous: its port")
     hosts.add_argument(
