@@ -26,6 +26,7 @@ HOST_OPTIONS = (
     "rdzv_endpoint",
     "rdzv_backend",
     "rdzv_id",
+    "local_addr",
     "master_addr",
     "master_port",
 )
@@ -142,6 +143,10 @@ def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
     add_timeout(p, None)
     links = p.add_argument_group("emulated links (the testbed)")
     add_link_options(links)
+    links.add_argument(
+        "--grace", type=_seconds, default=10.0, metavar="SECONDS",
+        help="after a rank fails, the others get SECONDS to end by themselves before they are stopped (default 10)",
+    )  # fmt: skip
     links.add_argument("--time-limit", type=_seconds, metavar="SECONDS", help="stop every rank after SECONDS")
     links.add_argument(
         "--report", metavar="PATH", help="also write the byte counters and exit codes as JSON to PATH"
@@ -256,8 +261,9 @@ def _main(argv: Sequence[str]) -> int:
         parser.error(f"no script {rest[0]!r}")
     try:
         return run_script(
-            layout, script, mode=ns.mode or "auto", mtu=ns.mtu, time_limit=ns.time_limit, report=ns.report
-        )
+            layout, script, mode=ns.mode or "auto", mtu=ns.mtu, time_limit=ns.time_limit, report=ns.report,
+            grace=ns.grace,
+        )  # fmt: skip
     except KeyboardInterrupt:
         print("lowband run: interrupted; every rank stopped and the testbed removed", file=sys.stderr)
         return 130

@@ -24,7 +24,7 @@ from lowband.errors import CommTimeoutError
 from lowband.testbed.links import Layout
 from lowband.testbed.netns import Testbed
 
-#: seconds the other ranks get to finish (and print their own errors) after one rank failed
+#: seconds the other ranks get to finish (and print their own errors) after one rank failed (default)
 GRACE_S = 10.0
 
 
@@ -54,6 +54,7 @@ def run_script(
     env: dict[str, str] | None = None,
     time_limit: float | None = None,
     report: str | None = None,
+    grace: float = GRACE_S,
     out: IO[str] | None = None,
 ) -> int:
     """Run ``python ARGV`` on every rank of ``layout`` in the testbed; print the link bytes; returns the
@@ -67,7 +68,7 @@ def run_script(
         procs = tb.spawn([sys.executable, *argv], env={"PYTHONUNBUFFERED": "1", **(env or {})})
         timed_out, order = "", list[int]()
         try:
-            codes = tb.wait(procs, limit, grace=GRACE_S, exited=order)
+            codes = tb.wait(procs, limit, grace=grace, exited=order)
         except CommTimeoutError as exc:
             timed_out = str(exc)
             codes = [p.returncode if p.returncode is not None else -9 for p in procs]
@@ -89,7 +90,7 @@ def run_script(
         first = next((r for r in order if codes[r] != 0), failed[0][0])
         print(
             f"lowband run: rank {first} exited with code {codes[first]} first; exit codes {codes} "
-            f"(a rank still running {GRACE_S:g} s after the first failure is stopped)",
+            f"(a rank still running {grace:g} s after the first failure is stopped)",
             file=sys.stderr,
         )
     if report:
