@@ -108,6 +108,8 @@ def test_run_rejects_bad_command_lines_in_one_line(
         (["-s", "ddp:bucket_cap_mb=true"], "option bucket_cap_mb=True is a bool; it takes float"),
         (["-s", "ddp+ddp"], "strategies repeat"),
         (["-w", "nosuch"], "unknown workload 'nosuch'"),
+        (["-w", "nosuch_module_xyz:make"], "nosuch_module_xyz"),
+        (["-w", "missing_file.py:make"], "no such file"),
         (["-n", "2", "--rates", "1gbit"], "need one per machine (2)"),
         (["--rate", "fast"], "cannot parse 'fast'"),
         (["--timeout", "-1"], "seconds > 0, got '-1'"),

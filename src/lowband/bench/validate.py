@@ -7,6 +7,8 @@ ints, floats, bools or strings (:func:`lowband.registry.parse_value`); an option
 command line cannot give (a ``Schedule``, a ``Topology`` object) takes its string form when the
 annotation admits ``str``, and is otherwise left to the factory. Range checks (``period=0``) stay with the
 factories, which run on the ranks.
+
+Workloads: a registered name, or a user's ``module:factory`` / ``file.py:factory`` that loads.
 """
 
 from __future__ import annotations
@@ -76,9 +78,12 @@ def check_strategy_specs(specs: list[str], where: str = "lowband bench") -> None
 
 
 def check_workload(name: str, where: str = "lowband bench") -> None:
-    """A registered workload name; other forms (a module path or a file) are the workload loader's."""
+    """A registered workload name, or a user's (``module:factory``, ``file.py:factory``) that loads: the
+    module imports and the factory returns a workload (its model is not built here)."""
     from lowband.bench.workloads import WORKLOADS
+    from lowband.bench.workloads.loader import is_spec, load_workload
 
-    if isinstance(name, str) and (":" in name or name.endswith(".py") or "/" in name):
+    if isinstance(name, str) and is_spec(name):
+        load_workload(name)
         return
     WORKLOADS.get(name, where)
