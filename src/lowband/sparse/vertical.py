@@ -13,16 +13,25 @@ A table's backward hands its coalesced gradient rows here instead of exchanging 
 Both sides derive every mask from rows every rank knows, so the exchanges carry values only and every
 rank issues the same exchanges in the same order. Each part is applied with :func:`lazy_step` as part
 of the iteration it belongs to, so the parts equal one update (lazy optimizer semantics).
+
+With an ``executor`` (one communication thread, :class:`lowband.compress.slimgc.executor.Executor`),
+the delayed rows go in the background (:meth:`VerticalSchedule.submit_delayed`, e.g. while the next
+backward computes). Its queue is a priority queue whose order every rank agrees on: the tasks of one
+submission are sorted by (iteration, table, part) before they enter the thread's FIFO, and the
+training thread drains the thread before any exchange of its own, so the channel's collectives are
+issued in the same order on every rank whatever each rank's timing.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lowband.compress.slimgc.executor import Executor
 from lowband.errors import InvalidArgumentError
 from lowband.sparse.embedding import PartitionedEmbedding
 from lowband.sparse.exchange import LookupPlan, iexchange_gradients, sum_blocks
@@ -48,9 +57,14 @@ class VerticalSchedule:
     the next backward belongs to; the strategy sets it."""
 
     def __init__(
-        self, tables: dict[str, PartitionedEmbedding], optimizer: torch.optim.Optimizer, scale: float
+        self,
+        tables: dict[str, PartitionedEmbedding],
+        optimizer: torch.optim.Optimizer,
+        scale: float,
+        executor: Executor | None = None,
     ) -> None:
         self.tables, self.optimizer, self.scale = tables, optimizer, scale
+        self.executor = executor
         self.iteration = 1
         self.pending: list[_Part] = []
         self.delivered_rows = {"prior": 0, "delayed": 0}
@@ -65,6 +79,7 @@ class VerticalSchedule:
         )
 
     def _on_plan(self, table: PartitionedEmbedding, plan: LookupPlan) -> None:
+        self.drain()
         ids = plan.every_id
         self._deliver(
             [p for p in self.pending if p.table == table.table_name],
@@ -72,16 +87,41 @@ class VerticalSchedule:
             "prior",
         )
 
+    def drain(self) -> None:
+        """Waits for the background deliveries (bounded; raises their first error)."""
+        if self.executor is not None:
+            self.executor.drain()
+
     def deliver_before(self, iteration: int) -> None:
         """Delivers every row of the parts of iterations before ``iteration`` (idle time)."""
+        self.drain()
         self._deliver([p for p in self.pending if p.iteration < iteration], None, "delayed")
+
+    def submit_delayed(self, iteration: int) -> None:
+        """:meth:`deliver_before` on the communication thread (at once without an executor): one task
+        per part, in the agreed priority order (iteration, then the order the parts were made)."""
+        if self.executor is None:
+            self.deliver_before(iteration)
+            return
+        self.drain()
+        order = sorted(range(len(self.pending)), key=lambda k: (self.pending[k].iteration, k))
+        due = [self.pending[k] for k in order if self.pending[k].iteration < iteration]
+        self.pending = [p for p in self.pending if p.iteration >= iteration]
+        for part in due:
+            self.executor.submit(functools.partial(self._deliver, [part], None, "delayed", keep=False))
 
     def deliver_all(self) -> None:
         """Delivers everything pending (before evaluation and checkpoints)."""
+        self.drain()
         self._deliver(list(self.pending), None, "delayed")
 
     def _deliver(
-        self, parts: list[_Part], select: Callable[[torch.Tensor], torch.Tensor] | None, kind: str
+        self,
+        parts: list[_Part],
+        select: Callable[[torch.Tensor], torch.Tensor] | None,
+        kind: str,
+        *,
+        keep: bool = True,
     ) -> None:
         by_iter: dict[int, dict[str, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
         for part in parts:
@@ -99,7 +139,8 @@ class VerticalSchedule:
             by_iter.setdefault(part.iteration, {}).setdefault(part.table, []).append(got)
             part.left = [m & ~s for m, s in zip(part.left, masks, strict=True)]
             self.delivered_rows[kind] += count
-        self.pending = [p for p in self.pending if any(bool(m.any()) for m in p.left)]
+        if keep:
+            self.pending = [p for p in self.pending if any(bool(m.any()) for m in p.left)]
         for it in sorted(by_iter):
             grads = {}
             for name, pieces in by_iter[it].items():
@@ -112,6 +153,7 @@ class VerticalSchedule:
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The undelivered gradients (this rank's rows, every column) and the iteration counter."""
+        self.drain()
         return {
             "iteration": self.iteration,
             "world_size": len(self.pending[0].rows) if self.pending else 0,

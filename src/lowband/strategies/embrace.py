@@ -4,14 +4,16 @@ Deep Neural Networks"): every ``nn.Embedding`` of the model becomes a column-par
 the dense rest is allreduced on the gradient stage (the hybrid), and torch optimizers step: one over
 the replicated parameters, one over this rank's table columns (their state lives on this rank only).
 
-Spec: ``embrace:schedule=hybrid|vertical,bucket_mb=MB``.
+Spec: ``embrace:schedule=hybrid|vertical,overlap=false|true,bucket_mb=MB``.
 
 - ``hybrid``: the embedding gradients are exchanged in backward and stepped with the dense ones.
 - ``vertical``: Algorithm 1 (:mod:`lowband.sparse.vertical`): the rows the next batch of every rank
   reads are exchanged and applied before its lookup, the rest in idle time (the end of the next step),
   before evaluation and before a checkpoint (``synchronize``); undelivered rows go into
   ``state_dict``. Needs a lazy optimizer on the tables: Adam runs as ``SparseAdam`` with its step
-  counter advanced once per iteration, SGD without momentum as is.
+  counter advanced once per iteration, SGD without momentum as is. ``overlap=true``: the delayed rows
+  go on one communication thread while the next backward computes (and the dense allreduces run),
+  in an order every rank agrees on.
 
 Equivalence: both schedules train as the single-process model on every rank's batch with the ranks'
 losses averaged (``vertical`` with lazy Adam semantics on the tables). The tables' traffic runs on its
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from lowband.comm.collectives import broadcast
+from lowband.compress.slimgc.executor import Executor
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.layerwise import parameter_layers
@@ -76,14 +79,18 @@ class EmbraceStrategy(Strategy):
 
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, schedule: str = "hybrid",
-        bucket_mb: float = 0.0,
+        overlap: bool = False, bucket_mb: float = 0.0,
     ) -> None:  # fmt: skip
         where = f"strategy 'embrace' on rank {group.rank}"
         if schedule not in SCHEDULES:
             raise InvalidArgumentError(f"{where}: schedule must be one of {SCHEDULES}, got {schedule!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
             raise InvalidArgumentError(f"{where}: bucket_mb must be a number >= 0, got {bucket_mb!r}")
-        self.schedule, self.bucket_mb = schedule, float(bucket_mb)
+        if not isinstance(overlap, bool) or (overlap and schedule != "vertical"):
+            raise InvalidArgumentError(
+                f"{where}: overlap must be a bool, and true only with schedule='vertical'"
+            )
+        self.schedule, self.overlap, self.bucket_mb = schedule, overlap, float(bucket_mb)
         for t in model.state_dict().values():  # every replica starts from rank 0's model, as DDP does
             broadcast(t, 0, inplace=True, name="initial-model", group=group)
         self.tables = partition_tables(model, _channel(group))
@@ -96,8 +103,10 @@ class EmbraceStrategy(Strategy):
         super().__init__(model, make_optimizer(dense), group)
         shard_opt = make_optimizer([t.weight for t in self.tables.values()])
         self.table_optimizer = shard_opt if schedule == "hybrid" else lazy_optimizer(shard_opt, where=where)
+        timeout = world_group(group, where)[0].config.timeout
+        self.executor = Executor(offload=True, timeout=timeout, where="embrace-comm") if overlap else None
         self.vertical = (
-            VerticalSchedule(self.tables, self.table_optimizer, 1.0 / group.size)
+            VerticalSchedule(self.tables, self.table_optimizer, 1.0 / group.size, self.executor)
             if schedule == "vertical"
             else None
         )
@@ -127,8 +136,15 @@ class EmbraceStrategy(Strategy):
             self.vertical.iteration = self.steps + 1
         return super().train_step(loss_fn)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.vertical is not None and self.overlap:  # the delayed rows travel during the backward
+            self.vertical.submit_delayed(self.steps + 1)
+        loss.backward()  # type: ignore[no-untyped-call]
+
     def step(self) -> None:
         self.stage.wait()
+        if self.vertical is not None:
+            self.vertical.drain()
         self.optimizer.step()
         if self.vertical is None:
             for t in self.tables.values():
@@ -144,7 +160,7 @@ class EmbraceStrategy(Strategy):
             self.vertical.deliver_all()
 
     def hparams(self) -> dict[str, Any]:
-        return {"schedule": self.schedule, "bucket_mb": self.bucket_mb}
+        return {"schedule": self.schedule, "overlap": self.overlap, "bucket_mb": self.bucket_mb}
 
     def report(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -152,6 +168,8 @@ class EmbraceStrategy(Strategy):
         }
         if self.vertical is not None:
             out["delivered_rows"] = dict(self.vertical.delivered_rows)
+        if self.executor is not None:
+            out["comm_thread_busy_s"] = self.executor.busy_s
         return out
 
     # -- checkpoints: both optimizers in one torch-style optimizer state --------------------------
@@ -216,15 +234,19 @@ class EmbraceStrategy(Strategy):
 
     def close(self) -> None:
         self.stage.remove_hooks()
+        if self.executor is not None:
+            self.executor.close()
 
 
 @register_strategy(
     "embrace",
     "EmbRace: column-partitioned embedding tables (AlltoAll) + allreduced dense layers "
-    "(schedule=hybrid|vertical, bucket_mb)",
+    "(schedule=hybrid|vertical, overlap, bucket_mb)",
 )
 def embrace(
     model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, schedule: str = "hybrid",
-    bucket_mb: float = 0.0,
+    overlap: bool = False, bucket_mb: float = 0.0,
 ) -> EmbraceStrategy:  # fmt: skip
-    return EmbraceStrategy(model, make_optimizer, group, schedule=schedule, bucket_mb=bucket_mb)
+    return EmbraceStrategy(
+        model, make_optimizer, group, schedule=schedule, overlap=overlap, bucket_mb=bucket_mb
+    )
