@@ -19,11 +19,12 @@ from lowband.errors import InvalidArgumentError
 
 
 def lazy_optimizer(opt: torch.optim.Optimizer, *, where: str) -> torch.optim.Optimizer:
-    """The lazy counterpart of ``opt`` over the same parameters: ``Adam`` -> ``SparseAdam`` (same
-    ``lr``, ``betas``, ``eps``), ``SGD`` without momentum and weight decay -> ``opt`` itself (it takes
-    sparse gradients); any other optimizer or setting: :class:`InvalidArgumentError` naming ``where``."""
+    """The lazy counterpart of ``opt`` over the same parameters: ``Adam`` (or ``AdamW`` without weight
+    decay) -> ``SparseAdam`` (same ``lr``, ``betas``, ``eps``), ``SGD`` without momentum and weight
+    decay -> ``opt`` itself (it takes sparse gradients); any other optimizer or setting (weight decay
+    moves rows without gradient): :class:`InvalidArgumentError` naming ``where``."""
     groups = opt.param_groups
-    if type(opt) is torch.optim.Adam:
+    if type(opt) in (torch.optim.Adam, torch.optim.AdamW):  # AdamW without weight decay is Adam
         bad = [k for k in ("weight_decay", "amsgrad", "maximize") if any(g.get(k) for g in groups)]
         if bad:
             raise InvalidArgumentError(
