@@ -25,7 +25,7 @@ from lowband.bench.workloads import (
 from lowband.bench.workloads.wordlm import WordLM
 from lowband.errors import InvalidArgumentError
 
-NAMES = ["fmnist-cnn", "fmnist-resnet", "shakespeare-gpt", "wordlm", "linreg"]
+NAMES = ["fmnist-cnn", "fmnist-resnet", "shakespeare-gpt", "wordlm", "wordlm-sampled", "wordgpt", "linreg"]
 
 
 def _train(w: Workload, steps: int, seed: int = 0) -> list[float]:

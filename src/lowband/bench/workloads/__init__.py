@@ -22,6 +22,10 @@ name                    data, model                                           un
 ``fmnist-resnet``       Fashion-MNIST (digits fallback), small ResNet         samples
 ``shakespeare-gpt``     Shakespeare characters, nanoGPT-style transformer     tokens
 ``wordlm``              Shakespeare words, embedding-dominated word LM        tokens
+``wordlm-sampled``      Shakespeare words, word LM with sampled softmax: two  tokens
+                        embedding tables hold 95% of the parameters
+``wordgpt``             Shakespeare words, transformer with an untied input   tokens
+                        table and a dense head
 ``linreg``              synthetic linear regression, ``nn.Linear(d, 1)``      samples
 ======================  ====================================================  ========
 """
@@ -46,7 +50,9 @@ from lowband.bench.workloads.loader import canonical_spec, is_spec, load_workloa
 from lowband.bench.workloads.regression import LinRegWorkload, least_squares, linreg_data, linreg_problem
 from lowband.bench.workloads.text import CharLMWorkload
 from lowband.bench.workloads.vision import ImageWorkload
+from lowband.bench.workloads.wordgpt import WordGPTWorkload
 from lowband.bench.workloads.wordlm import WordLMWorkload
+from lowband.bench.workloads.wordlm_sampled import SampledWordLMWorkload
 from lowband.errors import InvalidArgumentError
 from lowband.registry import Registry
 
@@ -60,6 +66,8 @@ WORKLOADS.register(
 )
 WORKLOADS.register("shakespeare-gpt", CharLMWorkload, "character GPT on Shakespeare")
 WORKLOADS.register("wordlm", WordLMWorkload, "word-level language model")
+WORKLOADS.register("wordlm-sampled", SampledWordLMWorkload, "word LM trained with a sampled softmax")
+WORKLOADS.register("wordgpt", WordGPTWorkload, "word-level transformer with an untied input table")
 WORKLOADS.register("linreg", LinRegWorkload, "linear regression with a closed-form optimum")
 
 
@@ -94,6 +102,8 @@ __all__ = [
     "EvalResult",
     "ImageWorkload",
     "LinRegWorkload",
+    "SampledWordLMWorkload",
+    "WordGPTWorkload",
     "WordLMWorkload",
     "Workload",
     "canonical_spec",

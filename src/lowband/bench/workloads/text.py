@@ -1,9 +1,10 @@
-"""Character-level language modelling on Shakespeare with a small nanoGPT-style transformer."""
+"""Language modelling on Shakespeare with a small nanoGPT-style transformer, on characters (here) or
+words (:mod:`lowband.bench.workloads.wordgpt`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class GPTConfig:
     n_layer: int = 3
     n_head: int = 4
     n_embd: int = 128
+    tied: bool = True  # the output head shares the token table's weight
 
 
 class CausalSelfAttention(nn.Module):
@@ -68,7 +70,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """nanoGPT in miniature: token + position embeddings, pre-norm blocks, a head tied to the token table."""
+    """nanoGPT in miniature: token + position embeddings, pre-norm blocks, a linear head (tied to the token
+    table unless ``cfg.tied`` is False)."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -78,7 +81,8 @@ class GPT(nn.Module):
         self.blocks = nn.Sequential(*(Block(cfg) for _ in range(cfg.n_layer)))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.head.weight = self.wte.weight  # weight tying
+        if cfg.tied:
+            self.head.weight = self.wte.weight
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
@@ -110,6 +114,7 @@ class CharLMWorkload(DatasetWorkload):
 
     unit = "tokens"
     default_batch_size = 16
+    default_lr = 1e-3
 
     def __init__(
         self,
@@ -120,7 +125,21 @@ class CharLMWorkload(DatasetWorkload):
         n_embd: int = 128,
         lr: float = 1e-3,
     ) -> None:
-        self.name = "shakespeare-gpt"
+        self._setup("shakespeare-gpt", char_data, block_size, n_layer, n_head, n_embd, lr, tied=True)
+
+    def _setup(
+        self,
+        name: str,
+        load: Callable[[], TokenData],
+        block_size: int,
+        n_layer: int,
+        n_head: int,
+        n_embd: int,
+        lr: float,
+        tied: bool,
+    ) -> None:
+        """Checks the shape, then loads the tokens with ``load``."""
+        self.name = name
         for what, value in (
             ("block_size", block_size),
             ("n_layer", n_layer),
@@ -130,9 +149,9 @@ class CharLMWorkload(DatasetWorkload):
             check_int(self.name, what, value, minimum=1)
         if n_embd % n_head:
             raise InvalidArgumentError(f"{self.name}: n_embd {n_embd} is not a multiple of n_head {n_head}")
-        self.default_lr = resolve_lr(self.name, lr, 1e-3)
-        self.data: TokenData = char_data()
-        self.cfg = GPTConfig(len(self.data.vocab), block_size, n_layer, n_head, n_embd)
+        self.default_lr = resolve_lr(self.name, lr, self.default_lr)
+        self.data: TokenData = load()
+        self.cfg = GPTConfig(len(self.data.vocab), block_size, n_layer, n_head, n_embd, tied)
         self.eval_items_per_sample = block_size
         self._stride = block_size + 1
 
@@ -140,9 +159,9 @@ class CharLMWorkload(DatasetWorkload):
         params = count_params(seeded_init(self.name, lambda: GPT(self.cfg), 0))
         c = self.cfg
         return (
-            f"Shakespeare characters ({len(self.data.train) / 1e6:.2f} M train / "
+            f"Shakespeare {self.data.kind} ({len(self.data.train) / 1e6:.2f} M train / "
             f"{len(self.data.test) / 1e6:.2f} M test, vocab {c.vocab_size}), "
-            f"GPT {c.n_layer}x{c.n_embd} block {c.block_size} "
+            f"GPT {c.n_layer}x{c.n_embd} block {c.block_size}{'' if c.tied else ' untied'} "
             f"{params / 1e6:.2f} M params"
         )
 

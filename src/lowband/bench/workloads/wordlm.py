@@ -58,70 +58,34 @@ class WordLM(nn.Module):
         return sum(p.numel() for p in tables.values())
 
 
-class WordLMWorkload(DatasetWorkload):
-    """Next-word prediction; a sample is ``context`` consecutive words and the word after (stride 1).
+class WordWindowWorkload(DatasetWorkload):
+    """Shakespeare words as samples of ``context`` consecutive words and the word after (stride 1).
 
-    AdamW optimizer; accuracy is next-word top-1; :attr:`unit` is tokens (predicted words, one per sample).
+    The data half of the word-level workloads: batches are ``(context ids (B, context), next ids (B,))``
+    and :attr:`unit` is tokens (predicted words, one per sample). Subclasses add the model and the loss.
     """
 
-    name = "wordlm"
     unit = "tokens"
-    default_batch_size = 64
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int = 24000,
-        embed_dim: int = 48,
-        context: int = 8,
-        hidden: int = 256,
-        tied: bool = False,
-        lr: float = 1e-2,
-    ) -> None:
-        for what, value in (
-            ("vocab_size", vocab_size),
-            ("embed_dim", embed_dim),
-            ("context", context),
-            ("hidden", hidden),
-        ):
-            check_int(self.name, what, value, minimum=2 if what == "vocab_size" else 1)
-        if not isinstance(tied, bool):
-            raise InvalidArgumentError(f"{self.name}: tied must be a bool, got {tied!r}")
-        self.default_lr = resolve_lr(self.name, lr, 1e-2)
+    def __init__(self, vocab_size: int, context: int) -> None:
+        check_int(self.name, "vocab_size", vocab_size, minimum=2)
+        check_int(self.name, "context", context, minimum=1)
         self.data: TokenData = word_data(vocab_size)
         self.context = context
-        self._shape = (len(self.data.vocab), embed_dim, context, hidden, tied)
 
-    def _new_model(self) -> WordLM:
-        return WordLM(*self._shape)
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the text gives (at most the ``vocab_size`` asked for), ``<unk>`` included."""
+        return len(self.data.vocab)
 
-    def describe(self) -> str:
-        model = seeded_init(self.name, self._new_model, 0)
-        total = count_params(model)
-        vocab, dim, context, hidden, tied = self._shape
+    def _data_description(self) -> str:
         return (
             f"Shakespeare words ({len(self.data.train) / 1e6:.2f} M train / "
-            f"{len(self.data.test) / 1e6:.2f} M test tokens, vocab {vocab}), "
-            f"word LM context {context} embed {dim} hidden {hidden}"
-            f"{' tied' if tied else ''} {total / 1e6:.2f} M params "
-            f"({100 * model.embedding_parameters() / total:.0f}% in embedding tables)"
+            f"{len(self.data.test) / 1e6:.2f} M test tokens, vocab {self.vocab_size})"
         )
 
-    def build_model(self, seed: int) -> nn.Module:
-        return seeded_init(f"{self.name}.build_model", self._new_model, seed)
-
-    def make_optimizer(
-        self, params: Iterable[nn.Parameter], lr: float | None = None
-    ) -> torch.optim.Optimizer:
-        lr = resolve_lr(f"{self.name}.make_optimizer", lr, self.default_lr)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-
-    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        x, y = to_device(model, batch)
-        return F.cross_entropy(model(x), y)
-
     def items(self, batch: Batch) -> int:
-        return int(batch[1].numel())
+        return int(batch[0].shape[0])
 
     def _samples(self, ids: torch.Tensor, idx: torch.Tensor) -> Batch:
         pos = idx.unsqueeze(1) + torch.arange(self.context + 1)
@@ -139,6 +103,60 @@ class WordLMWorkload(DatasetWorkload):
 
     def _test_batch(self, idx: torch.Tensor) -> Batch:
         return self._samples(self.data.test, idx)
+
+
+class WordLMWorkload(WordWindowWorkload):
+    """Next-word prediction with a full softmax (:class:`WordWindowWorkload` samples).
+
+    AdamW optimizer; accuracy is next-word top-1.
+    """
+
+    name = "wordlm"
+    default_batch_size = 64
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int = 24000,
+        embed_dim: int = 48,
+        context: int = 8,
+        hidden: int = 256,
+        tied: bool = False,
+        lr: float = 1e-2,
+    ) -> None:
+        for what, value in (("embed_dim", embed_dim), ("hidden", hidden)):
+            check_int(self.name, what, value, minimum=1)
+        if not isinstance(tied, bool):
+            raise InvalidArgumentError(f"{self.name}: tied must be a bool, got {tied!r}")
+        super().__init__(vocab_size, context)
+        self.default_lr = resolve_lr(self.name, lr, 1e-2)
+        self._shape = (self.vocab_size, embed_dim, context, hidden, tied)
+
+    def _new_model(self) -> WordLM:
+        return WordLM(*self._shape)
+
+    def describe(self) -> str:
+        model = seeded_init(self.name, self._new_model, 0)
+        total = count_params(model)
+        _, dim, context, hidden, tied = self._shape
+        return (
+            f"{self._data_description()}, word LM context {context} embed {dim} hidden {hidden}"
+            f"{' tied' if tied else ''} {total / 1e6:.2f} M params "
+            f"({100 * model.embedding_parameters() / total:.0f}% in embedding tables)"
+        )
+
+    def build_model(self, seed: int) -> nn.Module:
+        return seeded_init(f"{self.name}.build_model", self._new_model, seed)
+
+    def make_optimizer(
+        self, params: Iterable[nn.Parameter], lr: float | None = None
+    ) -> torch.optim.Optimizer:
+        lr = resolve_lr(f"{self.name}.make_optimizer", lr, self.default_lr)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        x, y = to_device(model, batch)
+        return F.cross_entropy(model(x), y)
 
     def _eval_batch(self, model: nn.Module, batch: Batch) -> tuple[float, int | None]:
         x, y = to_device(model, batch)
