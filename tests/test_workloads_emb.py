@@ -95,6 +95,7 @@ def test_batches_and_negatives_deterministic_per_seed_rank_step() -> None:
     )
     model = w.build_model(0)
     assert torch.equal(w.loss(model, first[2]), w.loss(model, again[2]))
+    assert isinstance(w.make_optimizer(model.parameters()), torch.optim.Adagrad)
     assert w.items(first[0]) == 5
 
 
@@ -138,7 +139,7 @@ def test_sampled_loss_of_the_model_matches_reference() -> None:
     loss = w.loss(model, (x, y))
     h = model.mlp(model.embed.weight[x].flatten(1)).detach()
     want = _reference_loss(h, model.out_emb.weight.detach(), y[:7].tolist(), y[7:].tolist(), w.vocab_size)
-    assert abs(float(loss) - want) < 1e-12
+    assert abs(float(loss.detach()) - want) < 1e-12
     loss.backward()
     for table, ids in ((model.embed, x), (model.out_emb, y)):  # row-sparse gradients of both tables
         grad = table.weight.grad
@@ -166,7 +167,9 @@ def test_evaluation_is_the_full_softmax() -> None:
     assert res.accuracy == float((logits.argmax(dim=1) == t).double().mean())
     negs = w.negatives(0, 0, 0)
     sampled = w.loss(model, (x, torch.cat([t, negs])))
-    assert abs(float(sampled) - res.loss) > 0.05  # what an evaluation over the negatives would report
+    assert (
+        abs(float(sampled.detach()) - res.loss) > 0.05
+    )  # what an evaluation over the negatives would report
 
 
 def test_sampled_lm_is_embedding_dominated() -> None:
@@ -180,7 +183,6 @@ def test_sampled_lm_is_embedding_dominated() -> None:
     total = sum(p.numel() for p in model.parameters())
     assert model.embedding_parameters() / total > 0.9
     assert "% in embedding tables" in w.describe() and "512 log-uniform negatives" in w.describe()
-    assert isinstance(w.make_optimizer(model.parameters()), torch.optim.Adagrad)
 
 
 def test_wordgpt_has_an_untied_input_table() -> None:
@@ -214,3 +216,33 @@ def test_bad_arguments() -> None:
         )
     with pytest.raises(InvalidArgumentError, match="step must be an int >= 0"):
         negatives_generator(0, 0, -1)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # torch's Adagrad on sparse gradients
+@pytest.mark.parametrize("name", ["wordlm-sampled", "wordgpt"])
+def test_optimizer_updates_only_touched_rows_and_accepts_sparse_gradients(name: str) -> None:
+    opts = {"vocab_size": TINY["vocab_size"]}
+    if name == "wordgpt":
+        opts |= {"block_size": 8, "n_embd": 16, "n_layer": 1}
+    w = get_workload(name, **opts)
+    batch = next(w.batches(1, 2, 4, seed=2))
+    models = [w.build_model(5).double() for _ in range(2)]
+    for table in models[1].modules():
+        if isinstance(table, nn.Embedding):
+            table.sparse = True  # what a sparse-gradient strategy does
+    for model in models:
+        opt = w.make_optimizer(model.parameters())
+        w.loss(model, batch).backward()
+        opt.step()
+    before = w.build_model(5).double().state_dict()
+    dense, sparse = models[0].state_dict(), models[1].state_dict()
+    for key in dense:
+        assert torch.allclose(dense[key], sparse[key], rtol=0, atol=1e-12), key
+    for key, ids in w.lookup_ids(batch).items():
+        if key == "wpe":
+            continue  # the position table: every row is read every step
+        weight = f"{key}.weight"
+        untouched = torch.ones(before[weight].shape[0], dtype=torch.bool)
+        untouched[ids.flatten()] = False
+        assert untouched.any() and torch.equal(dense[weight][untouched], before[weight][untouched])
+        assert not torch.equal(dense[weight][~untouched], before[weight][~untouched])

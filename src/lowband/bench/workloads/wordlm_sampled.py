@@ -18,8 +18,10 @@ followed by the ``K`` negatives (exactly the ids the output table is called on),
 targets alone. There is no output bias: a width-1 bias table could not be split by columns over several
 ranks, and the constant component the MLP's last bias gives ``h`` lets each ``u_w`` carry one.
 
-Optimizer: Adagrad (the optimizer of the sampled-softmax LM paper). A row without gradient is left
-exactly unchanged by it, so dense and sparse (lazy) updates of the tables are the same update.
+Optimizer: Adagrad (the optimizer of the sampled-softmax LM paper), with TensorFlow's initial accumulator
+0.1 (from 0, each coordinate's first step is ``lr`` whatever its gradient, and the model diverges in its
+first steps at this learning rate). A row without gradient is left exactly unchanged by Adagrad, so
+dense and sparse (lazy) updates of the tables are the same update.
 """
 
 from __future__ import annotations
@@ -78,12 +80,12 @@ class SampledWordLMWorkload(WordWindowWorkload):
         context: int = 8,
         hidden: int = 256,
         negatives: int = 512,
-        lr: float = 0.2,
+        lr: float = 0.5,
     ) -> None:
         for what, value in (("embed_dim", embed_dim), ("hidden", hidden), ("negatives", negatives)):
             check_int(self.name, what, value, minimum=1)
         super().__init__(vocab_size, context)
-        self.default_lr = resolve_lr(self.name, lr, 0.2)
+        self.default_lr = resolve_lr(self.name, lr, 0.5)
         self.num_negatives = negatives
         self._shape = (self.vocab_size, embed_dim, context, hidden)
 
@@ -108,7 +110,7 @@ class SampledWordLMWorkload(WordWindowWorkload):
         self, params: Iterable[nn.Parameter], lr: float | None = None
     ) -> torch.optim.Optimizer:
         lr = resolve_lr(f"{self.name}.make_optimizer", lr, self.default_lr)
-        return torch.optim.Adagrad(params, lr=lr)
+        return torch.optim.Adagrad(params, lr=lr, initial_accumulator_value=0.1)
 
     def negatives(self, seed: int, rank: int, step: int) -> torch.Tensor:
         """The negatives of rank ``rank``'s ``step``-th batch (0-based) of a run seeded ``seed`` (int64)."""
