@@ -26,6 +26,7 @@ from lowband.bench.workloads.sampled_softmax import (
 from lowband.bench.workloads.text import GPT
 from lowband.bench.workloads.wordlm_sampled import SampledWordLM
 from lowband.errors import InvalidArgumentError
+from lowband.sparse.lazy import lazy_optimizer, lazy_step, sparse_rows
 
 TINY = {"vocab_size": 60, "embed_dim": 6, "context": 3, "hidden": 10, "negatives": 9}
 
@@ -246,3 +247,27 @@ def test_optimizer_updates_only_touched_rows_and_accepts_sparse_gradients(name: 
         untouched[ids.flatten()] = False
         assert untouched.any() and torch.equal(dense[weight][untouched], before[weight][untouched])
         assert not torch.equal(dense[weight][~untouched], before[weight][~untouched])
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_split_table_updates_equal_one_update() -> None:
+    """The workloads' Adagrad is a lazy optimizer: a table's gradient applied in two parts of disjoint
+    rows (the vertical schedule) equals one dense update, over several iterations."""
+    w = _tiny()
+    g = torch.Generator().manual_seed(4)
+    shape = (w.vocab_size, TINY["embed_dim"])
+    start = torch.randn(shape, generator=g, dtype=torch.float64)
+    whole, split = nn.Parameter(start.clone()), nn.Parameter(start.clone())
+    dense_opt = w.make_optimizer([whole])
+    lazy_opt = lazy_optimizer(w.make_optimizer([split]), where="test")
+    for iteration in (1, 2, 3):
+        rows = torch.randperm(w.vocab_size, generator=g)[:20]
+        grad = torch.zeros(shape, dtype=torch.float64)
+        grad[rows] = torch.randn(20, shape[1], generator=g, dtype=torch.float64)
+        whole.grad = grad
+        dense_opt.step()
+        for part in (rows[:7], rows[7:]):
+            lazy_step(lazy_opt, {split: sparse_rows(part, grad[part], split.shape)}, iteration)
+        assert torch.allclose(whole, split, rtol=0, atol=1e-12), iteration
+    with pytest.raises(InvalidArgumentError, match="Adagrad with weight decay"):
+        lazy_optimizer(torch.optim.Adagrad([split], weight_decay=0.1), where="test")

@@ -2,9 +2,9 @@
 
 The vertical schedule applies one iteration's embedding gradient in parts (the rows the next batch
 reads first, the rest later). Parts equal one update only when the optimizer touches just the rows a
-gradient holds (torch's ``SparseAdam``, or SGD without momentum and weight decay, on sparse gradients)
-and when every part of iteration ``t`` uses iteration ``t``'s step count. ``SparseAdam`` advances its
-counter on every ``step()`` call, so two calls in one iteration would use bias corrections of
+gradient holds (torch's ``SparseAdam``, Adagrad, or SGD without momentum and weight decay, on sparse
+gradients) and when every part of iteration ``t`` uses iteration ``t``'s step count. ``SparseAdam``
+advances its counter on every ``step()`` call, so two calls in one iteration would use bias corrections of
 iterations ``t`` and ``t + 1``; :func:`lazy_step` pins the counter to the iteration before each call
 (the fix). The optimizers stay torch's.
 """
@@ -21,8 +21,10 @@ from lowband.errors import InvalidArgumentError
 def lazy_optimizer(opt: torch.optim.Optimizer, *, where: str) -> torch.optim.Optimizer:
     """The lazy counterpart of ``opt`` over the same parameters: ``Adam`` (or ``AdamW`` without weight
     decay) -> ``SparseAdam`` (same ``lr``, ``betas``, ``eps``), ``SGD`` without momentum and weight
-    decay -> ``opt`` itself (it takes sparse gradients); any other optimizer or setting (weight decay
-    moves rows without gradient): :class:`InvalidArgumentError` naming ``where``."""
+    decay and ``Adagrad`` without weight decay -> ``opt`` itself (they take sparse gradients; Adagrad's
+    state is per entry, a zero gradient leaves an entry unchanged, and its step counter, read only by
+    ``lr_decay``, is pinned as Adam's); any other optimizer or setting (weight decay moves rows without
+    gradient): :class:`InvalidArgumentError` naming ``where``."""
     groups = opt.param_groups
     if type(opt) in (torch.optim.Adam, torch.optim.AdamW):  # AdamW without weight decay is Adam
         bad = [k for k in ("weight_decay", "amsgrad", "maximize") if any(g.get(k) for g in groups)]
@@ -40,9 +42,16 @@ def lazy_optimizer(opt: torch.optim.Optimizer, *, where: str) -> torch.optim.Opt
                 "embedding updates cannot equal one update; use momentum=0, weight_decay=0 or Adam"
             )
         return opt
+    if type(opt) is torch.optim.Adagrad:
+        if any(g.get("weight_decay") for g in groups):
+            raise InvalidArgumentError(
+                f"{where}: Adagrad with weight decay moves rows without gradient, so split embedding "
+                "updates cannot equal one update; use weight_decay=0"
+            )
+        return opt
     raise InvalidArgumentError(
-        f"{where}: split embedding updates need a lazy optimizer: torch.optim.Adam (run as SparseAdam) "
-        f"or torch.optim.SGD without momentum, got {type(opt).__name__}"
+        f"{where}: split embedding updates need a lazy optimizer: torch.optim.Adam (run as SparseAdam), "
+        f"torch.optim.Adagrad or torch.optim.SGD without momentum, got {type(opt).__name__}"
     )
 
 
