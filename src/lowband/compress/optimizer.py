@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.collectives import broadcast
+from lowband.comm.initial import broadcast_initial_state
 from lowband.compress.base import Compressor
 from lowband.compress.dgc import DGCMemory, check_optimizer
 from lowband.compress.reducer import CompressedReducer, Timings
@@ -96,9 +96,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self.stage = GradientStage(
             units, self.reducer, group=g, accumulate=accumulate, where="CompressedOptimizer"
         )  # checks the layout on every rank: the first communication
-        if sync_initial:
-            for t in model.state_dict().values():
-                broadcast(t, 0, inplace=True, name="initial-model", group=g)
+        broadcast_initial_state(model, group=g, enabled=sync_initial)
         self.model = model
         self.inner = inner
         self.param_groups = inner.param_groups

@@ -51,10 +51,11 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
         make_optimizer: OptimizerFactory,
         *,
         communication_type: CommunicationType | str = CommunicationType.neighbor_allreduce,
-        topology: Topology | DynamicTopology | None = None,
-        machine_topology: Topology | DynamicTopology | None = None,
+        topology: Topology | DynamicTopology | str | None = None,
+        machine_topology: Topology | DynamicTopology | str | None = None,
         num_steps_per_communication: int = 1,
         group: Group | None = None,
+        broadcast_init: bool = True,
     ) -> None:
         _, layers = self.model_layers("AdaptThenCombineOptimizer", model, group)
         self.layerwise = LayerwiseOptimizer(
@@ -73,6 +74,7 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
                 topology=topology,
                 machine_topology=machine_topology,
                 num_steps_per_communication=num_steps_per_communication,
+                broadcast_init=broadcast_init,
             )
         except BaseException:
             self.layerwise.remove_hooks()  # leave the model as it was

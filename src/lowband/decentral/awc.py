@@ -45,10 +45,11 @@ class AdaptWithCombineOptimizer(DecentralizedOptimizer):
         make_optimizer: OptimizerFactory,
         *,
         communication_type: CommunicationType | str = CommunicationType.neighbor_allreduce,
-        topology: Topology | DynamicTopology | None = None,
-        machine_topology: Topology | DynamicTopology | None = None,
+        topology: Topology | DynamicTopology | str | None = None,
+        machine_topology: Topology | DynamicTopology | str | None = None,
         num_steps_per_communication: int = 1,
         group: Group | None = None,
+        broadcast_init: bool = True,
     ) -> None:
         where, layers = self.model_layers("AdaptWithCombineOptimizer", model, group)
         self.inner = self.build_inner(where, make_optimizer, layers)
@@ -61,6 +62,7 @@ class AdaptWithCombineOptimizer(DecentralizedOptimizer):
             topology=topology,
             machine_topology=machine_topology,
             num_steps_per_communication=num_steps_per_communication,
+            broadcast_init=broadcast_init,
         )
         self.count_forwards()
         self.forward_pre_hooks(self._before_forward)

@@ -43,10 +43,13 @@ class GradientAllreduceOptimizer(WrapperBase):
         *,
         num_steps_per_communication: int = 1,
         group: Group | None = None,
+        broadcast_init: bool = True,
     ) -> None:
         where, layers = self.model_layers("GradientAllreduceOptimizer", model, group)
         self.inner = self.build_inner(where, make_optimizer, layers)
-        super().__init__(model, layers, group)  # checks the layout on every rank
+        super().__init__(
+            model, layers, group, broadcast_init=broadcast_init
+        )  # checks the layout on every rank
         self.stage = GradientStage(
             layer_units(layers, parameter_names(model)),
             AllreduceReducer(),

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from lowband.comm.agree import agree, crc
+from lowband.comm.initial import broadcast_initial_state
 from lowband.decentral.combine import CommunicationType, Pending, Plan, launch
 from lowband.decentral.knobs import (
     Knob,
@@ -40,9 +41,11 @@ from lowband.decentral.knobs import (
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim import parameter_layers
+from lowband.optim.factory import as_optimizer_factory
 from lowband.optim.pending import PendingWork, forward_pre_hooks, module_layers
 from lowband.runtime import Context, world_group
 from lowband.topology import DynamicTopology, Topology
+from lowband.topology.names import MACHINE_TOPOLOGIES, TOPOLOGIES, build_topology
 
 Tensor = torch.Tensor
 Layers = list[tuple[str, list[nn.Parameter]]]
@@ -75,7 +78,9 @@ class WrapperBase(torch.optim.Optimizer):
     #: completed :meth:`step` calls (the index of the current iteration)
     steps: int
 
-    def __init__(self, model: nn.Module, layers: Layers, group: Group | None) -> None:
+    def __init__(
+        self, model: nn.Module, layers: Layers, group: Group | None, *, broadcast_init: bool = True
+    ) -> None:
         kind = type(self).__name__
         ctx, g = world_group(group, kind)
         self.ctx: Context = ctx
@@ -92,6 +97,8 @@ class WrapperBase(torch.optim.Optimizer):
         #: each layer's combination in flight; waiting writes its result with :meth:`finish_layer`
         self._pending: PendingWork[list[Tensor]] = PendingWork(self.finish_layer)
         self._check_layout()
+        # start every replica from rank 0's parameters and buffers, as DDP does (after the layout check)
+        broadcast_initial_state(model, group=self.group, enabled=broadcast_init)
 
     @staticmethod
     def model_layers(kind: str, model: object, group: Group | None) -> tuple[str, Layers]:
@@ -110,8 +117,10 @@ class WrapperBase(torch.optim.Optimizer):
     def build_inner(
         where: str, make_optimizer: Callable[[Iterable[nn.Parameter]], Any], layers: Layers
     ) -> Any:
-        """One torch optimizer over every layer's parameters, built by the caller's factory."""
-        opt = make_optimizer([p for _, ps in layers for p in ps])
+        """One torch optimizer over every layer's parameters, built by the caller's factory (or rebuilt
+        from the caller's optimizer instance, :func:`lowband.optim.factory.as_optimizer_factory`)."""
+        params = [p for _, ps in layers for p in ps]
+        opt = as_optimizer_factory(make_optimizer, where, params)(params)
         if not isinstance(opt, torch.optim.Optimizer):
             raise InvalidArgumentError(
                 f"{where}: make_optimizer returned {type(opt).__name__}, not a torch.optim.Optimizer"
@@ -241,11 +250,21 @@ class DecentralizedOptimizer(WrapperBase):
         group: Group | None,
         *,
         communication_type: CommunicationType | str,
-        topology: Topology | DynamicTopology | None,
-        machine_topology: Topology | DynamicTopology | None,
+        topology: Topology | DynamicTopology | str | None,
+        machine_topology: Topology | DynamicTopology | str | None,
         num_steps_per_communication: int,
+        broadcast_init: bool = True,
     ) -> None:
-        super().__init__(model, layers, group)
+        super().__init__(model, layers, group, broadcast_init=broadcast_init)
+        # names, Topology and DynamicTopology objects: the same parser as the strategies' option
+        if topology is not None:
+            topology = build_topology(
+                self.where, topology, tuple(TOPOLOGIES), self.group.size, self.ctx.local_size
+            )
+        if machine_topology is not None:
+            machine_topology = build_topology(
+                self.where, machine_topology, MACHINE_TOPOLOGIES, self.ctx.machine_size, 1
+            )
         self.communication_type = communication_type
         self.num_steps_per_communication = num_steps_per_communication
         self.enable_topo_check = False
@@ -259,7 +278,6 @@ class DecentralizedOptimizer(WrapperBase):
         self.dynamic_machine_topology = machine_topology if mdyn else None
         #: neighbor-averaging rounds done (the index given to ``dynamic_topology.at``)
         self.neighbor_rounds = 0
-        self._fast = self.group.unchecked()
         self._plan: Plan | None = None
 
     def counters(self) -> dict[str, Any]:
@@ -303,7 +321,11 @@ class DecentralizedOptimizer(WrapperBase):
             elif self.machine_topology is not None:
                 kwargs = {"machine_topology": self.machine_topology}
         check = self.enable_topo_check
-        return Plan(kind, kwargs, self.group if check else self._fast, check)
+        # always the checked group: the argument check costs no message while the ranks agree, and an
+        # op on the unchecked view would share the process group with checked ones unseen (a rank's extra
+        # op would pair with another rank's next collective inside gloo); enable_topo_check adds the
+        # topology check
+        return Plan(kind, kwargs, self.group, check)
 
     def is_communicating(self) -> bool:
         """Whether the current iteration communicates (every J-th step unless a subclass counts passes)."""

@@ -3,7 +3,8 @@
 
 Options (keyword-only, validated):
 
-- ``topology``: a name from :data:`TOPOLOGIES` — ``ring``, ``exp2`` (static exponential-2),
+- ``topology``: a :class:`Topology`, a :class:`DynamicTopology` (as the decentralized optimizers
+  take; :func:`lowband.topology.names.build_topology` parses both) or a name from :data:`TOPOLOGIES` — ``ring``, ``exp2`` (static exponential-2),
   ``dynamic-exp2`` (one peer of the exponential-2 graph per round), ``inner-outer-exp2`` (BlueFog's
   dynamic inner/outer exponential-2 over machines of ``local_size`` ranks), ``full``. For
   ``hierarchical-atc`` it is the topology between machines; ``winput`` takes static ones only.
@@ -20,7 +21,6 @@ from typing import Any
 
 from torch import nn
 
-from lowband.comm.collectives import broadcast
 from lowband.decentral.atc import AdaptThenCombineOptimizer
 from lowband.decentral.awc import AdaptWithCombineOptimizer
 from lowband.decentral.gradient_allreduce import GradientAllreduceOptimizer
@@ -31,8 +31,17 @@ from lowband.group import Group
 from lowband.runtime import current
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
-from lowband.topology import Topology
-from lowband.topology.names import MACHINE_TOPOLOGIES, STATIC_TOPOLOGIES, TOPOLOGIES, build_topology
+from lowband.topology import DynamicTopology, Topology
+from lowband.topology.names import (
+    MACHINE_TOPOLOGIES,
+    STATIC_TOPOLOGIES,
+    TOPOLOGIES,
+    build_topology,
+    topology_label,
+)
+
+#: a topology option: a registered name, a :class:`Topology` or a :class:`DynamicTopology`
+TopologyArg = str | Topology | DynamicTopology
 
 
 def _check_int(where: str, what: str, value: object, minimum: int) -> int:
@@ -50,11 +59,11 @@ class DecentralStrategy(Strategy):
     base_type = CommunicationType.neighbor_allreduce
 
     def __init__(
-        self, model: nn.Module, optimizer: DecentralizedOptimizer, group: Group, *, topology: str,
+        self, model: nn.Module, optimizer: DecentralizedOptimizer, group: Group, *, topology: object,
         allreduce_every: int, period: int,
     ) -> None:  # fmt: skip
         super().__init__(model, optimizer, group)
-        self.topology_name = topology
+        self.topology_name = topology_label(topology)
         self.allreduce_every = allreduce_every
         self.period = period
         self._checked = False
@@ -110,7 +119,7 @@ class _NeighborStrategy(DecentralStrategy):
     optimizer_class: type[AdaptThenCombineOptimizer] | type[AdaptWithCombineOptimizer]
 
     def __init__(
-        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = "exp2",
         allreduce_every: int = 0, period: int = 1,
     ) -> None:  # fmt: skip
         where = f"{type(self).__name__}"
@@ -125,6 +134,7 @@ class _NeighborStrategy(DecentralStrategy):
 @register_strategy("atc", "BlueFog Adapt-Then-Combine: layer steps in backward, then neighbor averaging")
 class ATCStrategy(_NeighborStrategy):
     name = "atc"
+    steps_in_backward = True
     optimizer_class = AdaptThenCombineOptimizer
 
 
@@ -139,10 +149,11 @@ class AWCStrategy(_NeighborStrategy):
 )
 class HierarchicalATCStrategy(DecentralStrategy):
     name = "hierarchical-atc"
+    steps_in_backward = True
     base_type = CommunicationType.hierarchical_neighbor_allreduce
 
     def __init__(
-        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = "exp2",
         allreduce_every: int = 0, period: int = 1,
     ) -> None:  # fmt: skip
         where = f"{type(self).__name__}"
@@ -186,10 +197,11 @@ class _WrapperStrategy(Strategy):
 class GradientAllreduceStrategy(_WrapperStrategy):
     name = "gradient-allreduce"
 
+    def finish_gradients(self) -> None:
+        self.optimizer.synchronize()  # the gradients are averaged in place
+
     def __init__(self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group) -> None:
-        # start every replica from rank 0's parameters and buffers, as DDP does
-        for t in model.state_dict().values():
-            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        # the optimizer starts every replica from rank 0's parameters and buffers, as DDP does
         super().__init__(model, GradientAllreduceOptimizer(model, make_optimizer, group=group), group)
 
 
@@ -200,18 +212,18 @@ class WinPutStrategy(_WrapperStrategy):
     name = "winput"
 
     def __init__(
-        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: str = "exp2",
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = "exp2",
         period: int = 1,
     ) -> None:  # fmt: skip
         where = f"{type(self).__name__}"
         h = _check_int(where, "period", period, 1)
-        topo = build_topology(where, topology, STATIC_TOPOLOGIES, group.size, 1)
+        topo = build_topology(where, topology, STATIC_TOPOLOGIES, group.size, 1, dynamic=False)
         assert isinstance(topo, Topology)
         opt = WinPutOptimizer(
             model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
         )
         super().__init__(model, opt, group)
-        self.topology_name, self.period = topology, h
+        self.topology_name, self.period = topology_label(topology), h
 
         self.winput = opt
 

@@ -72,10 +72,11 @@ class WinPutOptimizer(WrapperBase):
         num_steps_per_communication: int = 1,
         require_mutex: bool = False,
         group: Group | None = None,
+        broadcast_init: bool = True,
     ) -> None:
         where, layers = self.model_layers("WinPutOptimizer", model, group)
         self.inner = self.build_inner(where, make_optimizer, layers)
-        super().__init__(model, layers, group)
+        super().__init__(model, layers, group, broadcast_init=broadcast_init)
         self.num_steps_per_communication = num_steps_per_communication
         self.require_mutex = require_mutex
         self.self_weight = self.src_weights = self.dst_weights = None

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from collections import Counter
@@ -373,6 +374,14 @@ def save_profile(profile: CostProfile, path: str | Path) -> None:
             f"save_profile: profile must be a CostProfile, got {type(profile).__name__}"
         )
     Path(path).write_text(json.dumps(profile.to_json(), indent=1) + "\n")
+
+
+def save_profile_atomic(profile: CostProfile, path: str | Path) -> None:
+    """:func:`save_profile` through a temporary file renamed into place (a reader never sees half)."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    save_profile(profile, tmp)
+    os.replace(tmp, target)
 
 
 def load_profile(path: str | Path) -> CostProfile:

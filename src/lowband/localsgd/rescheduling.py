@@ -98,9 +98,14 @@ class ScheduledStrategy(Strategy):
         opt_state = copy.deepcopy(self.optimizer.state_dict())
         self.averager.begin(self.steps, ())
         t0 = time.perf_counter()
+        self.optimizer.refuse_restep = False  # the profile's passes step the layers again and again
+        cuda = sorted({p.get_device() for p in params if p.is_cuda})
         try:
-            prof = profile_model(self.local_module, loss_fn, group=self.group)
+            with torch.random.fork_rng(devices=cuda):  # the training run draws what it would without
+                prof = profile_model(self.local_module, loss_fn, group=self.group)
         finally:
+            self.optimizer.refuse_restep = True
+            self.optimizer.stepped.clear()
             with torch.no_grad():
                 for p, old in zip(params, saved):
                     p.copy_(old)

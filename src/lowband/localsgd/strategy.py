@@ -11,7 +11,9 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   iteration's backward (the non-overlapped FLSGD baseline is the ``localsgd`` strategy).
 - The schedule comes from, in order: ``schedule=`` (a :class:`Schedule`, forward indices into the
   profile's layers, or into ``parameter_layers`` order when no profile is given); ``profile=`` (a saved
-  profile's JSON path, or a :class:`CostProfile`), scheduled at construction; else the model is profiled
+  profile's JSON path, or a :class:`CostProfile`), scheduled at construction; ``profile=PATH`` of a file
+  that does not exist yet profiles lazily (below) and rank 0 saves the profile there, so every later run
+  with the same PATH (visible to every rank) schedules from it; else the model is profiled
   lazily at the first :meth:`train_step`, on its batch, before training on it: ``profile_model`` runs
   a few extra forward/backward passes with the optimizer hooks off and leaves the model unchanged, so
   training is exactly as if that profile had been given. Lazy profiling also measures the
@@ -31,8 +33,14 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   (DreamDDP's default) schedules whole layers and chunks of total/(kH) bytes (k = 1, 2, 4) and keeps the
   one with the shortest predicted period. PLSGD-ENP and FLSGD-overlap default to whole layers.
 - ``divergence_every > 0``: log Gamma (the model divergence) every that many steps (``divergence_log``).
-- Buffers (BatchNorm statistics) are not averaged, and the initial parameters are not broadcast: seed
-  the model identically on every rank (Algorithm 1 starts from one ``w_0``).
+- Repeatable runs: the split (``split="auto"``) and the schedule follow from the profile alone, and the
+  profile is measured (timing): two runs that profile separately may choose differently. With
+  ``profile=PATH`` they schedule from the same saved profile; a checkpoint holds the profile, the units
+  and the schedule, so a resumed run keeps them. ``reprofile_drift > 0`` re-schedules on measured
+  timings and so is not repeatable.
+- Buffers (BatchNorm statistics) are not averaged; the initial parameters are rank 0's when the
+  strategy is built by :func:`~lowband.strategies.make_strategy` (``broadcast_init=True``), as
+  Algorithm 1 starts from one ``w_0``.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.divergence import model_divergence
-from lowband.localsgd.profiler import load_profile
+from lowband.localsgd.profiler import load_profile, save_profile_atomic
 from lowband.localsgd.rescheduling import ScheduledStrategy
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
@@ -69,6 +77,7 @@ DEFAULT_PERIOD = 5
 )
 class PartialSyncStrategy(ScheduledStrategy):
     name = "dreamddp"
+    steps_in_backward = True
     #: the default scheduler (``lowband.localsgd.make_schedule`` method) of this variant
     method = "dreamddp"
     #: ``split`` when none is given: DreamDDP chooses chunks; the paper's baselines keep whole layers
@@ -126,7 +135,11 @@ class PartialSyncStrategy(ScheduledStrategy):
             raise InvalidArgumentError(
                 f"{where}: split must be 'auto' or a chunk size in bytes >= 0 (0: whole layers), got {split!r}"
             )
-        if isinstance(profile, (str, Path)):
+        #: where the profile measured at the first step is saved (``profile=PATH`` of a missing file)
+        self.profile_path: Path | None = None
+        if isinstance(profile, (str, Path)) and not Path(profile).exists():
+            self.profile_path, profile = Path(profile), None
+        elif isinstance(profile, (str, Path)):
             profile = load_profile(profile)
         elif profile is not None and not isinstance(profile, CostProfile):
             raise InvalidArgumentError(
@@ -200,6 +213,8 @@ class PartialSyncStrategy(ScheduledStrategy):
         """One local iteration (see the module doc); profiles and schedules first if there is no schedule."""
         if self.schedule is None:
             self._profile_now(loss_fn)
+            if self.profile_path is not None and self.group.rank == 0 and self.profile is not None:
+                save_profile_atomic(self.profile, self.profile_path)
         loss = super().train_step(loss_fn)
         if self.averager.timing and self.steps % self.period == 0:
             self._check_drift()

@@ -37,6 +37,7 @@ from torch import nn
 
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.factory import as_optimizer_factory
 from lowband.optim.reducer import Reducer, layer_units
 from lowband.optim.stage import GradientStage
 
@@ -85,7 +86,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if len(ids) != len(set(ids)):
             raise InvalidArgumentError("LayerwiseOptimizer: a parameter appears in more than one layer")
         self.layers = [(name, list(ps)) for name, ps in layers]
-        self.optimizers = [make_optimizer(ps) for _, ps in self.layers]
+        make = as_optimizer_factory(
+            make_optimizer, "LayerwiseOptimizer", [p for _, ps in self.layers for p in ps]
+        )
+        self.optimizers = [make(ps) for _, ps in self.layers]
         for (name, _), opt in zip(self.layers, self.optimizers):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise InvalidArgumentError(
@@ -93,6 +97,10 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                     "not a torch.optim.Optimizer"
                 )
         self.on_layer = on_layer
+        #: layers stepped in backward since the last :meth:`step` (a second step of one is refused)
+        self.stepped: set[int] = set()
+        #: False lets backward passes step layers again without a step() between (profiling passes)
+        self.refuse_restep = True
         # param_groups of every inner optimizer, the same dict objects (LR schedulers edit them)
         self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
         self.defaults = dict(self.optimizers[0].defaults)
@@ -130,6 +138,13 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
 
     # -- per-layer stepping ----------------------------------------------------------------------
     def _step_layer(self, i: int) -> None:
+        if i in self.stepped and self.refuse_restep:
+            raise InvalidArgumentError(
+                f"LayerwiseOptimizer: layer {self.layers[i][0]!r} was already stepped in a backward since the "
+                "last step(): layers are stepped during backward, so a second backward before step() would "
+                "step them again (gradient accumulation needs accumulate=J or no_sync())"
+            )
+        self.stepped.add(i)
         opt = self.optimizers[i]
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -143,6 +158,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         if closure is not None:
             raise InvalidArgumentError("LayerwiseOptimizer.step: closures are not supported")
         self.stage.wait()
+        self.stepped.clear()
         for _, opt in enumerate(self.optimizers):
             if any(p.grad is not None for g in opt.param_groups for p in g["params"]):
                 opt.step()

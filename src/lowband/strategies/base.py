@@ -4,9 +4,11 @@ A strategy wraps a model and an optimizer (built by a factory, so the strategy d
 parameters the optimizer sees) and owns all the communication of data-parallel training. The training
 loop is the same for every strategy::
 
-    s = make_strategy("ddp", model, workload.make_optimizer)
+    s = make_strategy("ddp", model, workload.make_optimizer)   # or a torch optimizer instance
     for batch in batches:
         loss = s.train_step(lambda m: workload.loss(m, batch))
+        # or, spelled out: s.zero_grad(); loss = workload.loss(s.module, batch); s.backward(loss);
+        #                  s.clip_grad_norm_(1.0)  (optional); s.step()
     s.synchronize()                     # finish in-flight communication (before eval / checkpoint)
     torch.save(s.state_dict(), path)    # everything needed to resume
     dense = s.average_model(make_model())  # collective: the consensus model, for evaluation or export
@@ -53,6 +55,12 @@ class Strategy:
     """
 
     name: str = "strategy"
+    #: whether layers are stepped by the optimizer during backward (their gradients are consumed and
+    #: cleared before ``backward`` returns): no clipping between backward and step, no second backward
+    #: before :meth:`step` (refused with :class:`InvalidArgumentError`)
+    steps_in_backward: bool = False
+    #: why :meth:`clip_grad_norm_` is refused (None: supported)
+    no_clip_reason: str | None = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> None:
         self.local_module = model
@@ -75,6 +83,30 @@ class Strategy:
 
     def step(self) -> None:
         self.optimizer.step()
+
+    def finish_gradients(self) -> None:
+        """Complete the gradient communication of the last backward (the gradients in ``.grad`` are the
+        ones :meth:`step` will apply once this returns)."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Between :meth:`backward` and :meth:`step`: clip the gradients :meth:`step` will apply (after
+        their communication, :meth:`finish_gradients`) to total norm ``max_norm``, as
+        ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping. Strategies that step
+        in backward (or otherwise cannot) raise :class:`InvalidArgumentError` instead."""
+        where = f"{type(self).__name__}.clip_grad_norm_ on rank {self.group.world_rank}"
+        reason = self.no_clip_reason
+        if reason is None and self.steps_in_backward:
+            reason = (
+                "it steps each layer during backward, so its gradients are applied and cleared before "
+                "backward returns"
+            )
+        if reason is not None:
+            raise InvalidArgumentError(
+                f"{where}: strategy {self.name!r} cannot clip gradients between backward and step: {reason}"
+            )
+        self.finish_gradients()
+        grads = [p for p in self.local_module.parameters() if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type))
 
     def train_step(self, loss_fn: LossFn) -> float:
         """One iteration: zero grads, forward (``loss_fn(self.module)``), backward, step. Returns the loss."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
+from lowband.comm.initial import broadcast_initial_state, initial_state_settled
 from lowband.group import Group
+from lowband.optim.factory import as_optimizer_factory
 from lowband.registry import Registry, parse_spec
 from lowband.runtime import world_group
 from lowband.strategies.base import OptimizerFactory, Strategy
@@ -39,12 +42,23 @@ def parse_strategy_spec(spec: str) -> tuple[str, dict[str, Any]]:
 def make_strategy(
     name: str,
     model: nn.Module,
-    make_optimizer: OptimizerFactory,
+    make_optimizer: OptimizerFactory | torch.optim.Optimizer,
     group: Group | None = None,
+    *,
+    broadcast_init: bool = True,
     **options: Any,
 ) -> Strategy:
-    """Build the strategy registered as ``name`` on this rank (after :func:`lowband.init`)."""
+    """Build the strategy registered as ``name`` on this rank (after :func:`lowband.init`).
+
+    ``make_optimizer`` is a factory (``params -> optimizer``) or a torch optimizer built on
+    ``model.parameters()``, rebuilt by the strategy on the parameters it needs with the same class and
+    options (:func:`lowband.optim.factory.as_optimizer_factory`). With ``broadcast_init`` (the default)
+    every rank starts from rank 0's parameters and buffers, as torch DDP does; collective."""
     factory = STRATEGIES.get(name)
     STRATEGIES.check_options(name, options)
-    _, g = world_group(group, f"make_strategy({name!r})")
-    return factory(model, make_optimizer, g, **options)
+    where = f"make_strategy({name!r})"
+    _, g = world_group(group, where)
+    make = as_optimizer_factory(make_optimizer, where, model.parameters())
+    broadcast_initial_state(model, group=g, enabled=broadcast_init)
+    with initial_state_settled():
+        return factory(model, make, g, **options)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.collectives import broadcast
+from lowband.comm.initial import broadcast_initial_state
 from lowband.compress.reducer import Timings, make_reducer
 from lowband.compress.slimgc.backup import ModelBackup
 from lowband.compress.slimgc.executor import Executor
@@ -48,6 +48,7 @@ class SlimGCStrategy(ClockedStrategy):
     """See the module docstring."""
 
     name = "slimgc"
+    no_clip_reason = "its reducer hands the averaged gradients to the optimizer inside step()"
 
     def __init__(
         self,
@@ -81,8 +82,7 @@ class SlimGCStrategy(ClockedStrategy):
             "pre_steps": pre_steps, "offload": offload, "backup": backup, "local_lr": local_lr,
         }  # fmt: skip
         inner = make_reducer(reducer, compressor, memory, seed=seed)
-        for t in model.state_dict().values():  # every replica starts from rank 0's model, as DDP
-            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP
         units = parameter_units(model)
         self.executor = Executor(
             offload=offload, timeout=current(where).config.timeout, where="slimgc-executor"

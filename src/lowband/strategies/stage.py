@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from lowband.comm.collectives import broadcast
+from lowband.comm.initial import broadcast_initial_state
 from lowband.compress.reducer import CompressedReducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -43,8 +43,7 @@ class StageStrategy(ClockedStrategy):
         where = type(self).__name__
         self.bucket_mb, self.first_bucket_mb = check_bucket_mb(where, bucket_mb, first_bucket_mb)
         # start every replica from rank 0's parameters and buffers, as DDP does
-        for t in model.state_dict().values():
-            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        broadcast_initial_state(model, group=group)
         units = model_units(model, self.bucket_mb, self.first_bucket_mb)
         self.stage = GradientStage(units, reducer, group=group, where=where)
         self.clock = StepClock(
@@ -58,6 +57,9 @@ class StageStrategy(ClockedStrategy):
         self.optimizer.step()
 
     def synchronize(self) -> None:
+        self.stage.wait()
+
+    def finish_gradients(self) -> None:
         self.stage.wait()
 
     def hparams(self) -> dict[str, Any]:

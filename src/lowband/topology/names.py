@@ -34,10 +34,33 @@ STATIC_TOPOLOGIES = ("ring", "exp2", "full")
 
 
 def build_topology(
-    where: str, name: object, allowed: tuple[str, ...], size: int, local_size: int
+    where: str,
+    name: object,
+    allowed: tuple[str, ...],
+    size: int,
+    local_size: int,
+    *,
+    dynamic: bool = True,
 ) -> Topology | DynamicTopology:
-    """The topology registered as ``name`` (one of ``allowed``) over ``size`` ranks (machines of
-    ``local_size`` ranks)."""
+    """The one parser of topology arguments: a name registered as one of ``allowed`` (built over
+    ``size`` ranks on machines of ``local_size`` ranks), or a :class:`Topology` over ``size`` ranks, or
+    (when ``dynamic``) a :class:`DynamicTopology` over ``size`` ranks, returned as is."""
+    if isinstance(name, (Topology, DynamicTopology)):
+        if isinstance(name, DynamicTopology) and not dynamic:
+            raise InvalidArgumentError(f"{where}: topology must be static here, got a DynamicTopology")
+        if name.size != size:
+            raise InvalidArgumentError(
+                f"{where}: the topology given is over {name.size} ranks, the group has {size}"
+            )
+        return name
     if not isinstance(name, str) or name not in allowed:
-        raise InvalidArgumentError(f"{where}: topology must be one of {list(allowed)}, got {name!r}")
+        kinds = "a Topology, a DynamicTopology" if dynamic else "a Topology"
+        raise InvalidArgumentError(
+            f"{where}: topology must be {kinds} or one of {list(allowed)}, got {name!r}"
+        )
     return TOPOLOGIES.get(name, where)(size, local_size)
+
+
+def topology_label(topology: object) -> str:
+    """How reports name a topology argument: its name, or its class for an object."""
+    return topology if isinstance(topology, str) else type(topology).__name__

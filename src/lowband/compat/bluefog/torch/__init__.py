@@ -44,7 +44,7 @@ run-time classes           the optimizer factories return lowband's wrappers (to
 =========================  ===========================================================================
 """
 
-from lowband.compat.bluefog.torch import topology_util
+from lowband.compat.bluefog.torch import _needs_init, topology_util
 from lowband.compat.bluefog.torch._basics import (
     get_skip_negotiate_stage,
     in_neighbor_machine_ranks,
@@ -261,3 +261,6 @@ __all__ = [
     "win_update_then_collect",
     "win_wait",
 ]  # fmt: skip
+
+# an op called before bf.init() says to call bf.init() (not lowband.init())
+_needs_init.wrap_public(globals(), __all__)

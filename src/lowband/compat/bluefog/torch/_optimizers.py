@@ -16,7 +16,7 @@ instance of the given optimizer's class) with BlueFog's knobs: ``communication_t
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from lowband.decentral.optimizers import (
     WinPutOptimizer,
 )
 from lowband.errors import InvalidArgumentError
-from lowband.optim.layerwise import OptimizerFactory
+from lowband.optim.factory import OptimizerFactory, instance_factory
 
 _MOD = "lowband.compat.bluefog.torch"
 
@@ -43,19 +43,7 @@ def optimizer_factory(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
         raise InvalidArgumentError(
             f"{_MOD}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
         )
-    cls = type(optimizer)
-    defaults = dict(optimizer.defaults)
-    options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-
-    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        buckets: dict[int, list[nn.Parameter]] = {}
-        for p in params:
-            buckets.setdefault(group_of.get(id(p), -1), []).append(p)
-        groups = [{"params": ps, **(options[i] if i >= 0 else {})} for i, ps in buckets.items()]
-        return cls(groups, **defaults)
-
-    return make
+    return instance_factory(optimizer)
 
 
 def _model(where: str, model: object) -> nn.Module:
@@ -84,6 +72,7 @@ def DistributedAdaptThenCombineOptimizer(
         optimizer_factory(optimizer),
         communication_type=communication_type,
         num_steps_per_communication=num_steps_per_communication,
+        broadcast_init=False,  # BlueFog leaves it to bf.broadcast_parameters
     )
 
 
@@ -101,6 +90,7 @@ def DistributedAdaptWithCombineOptimizer(
         optimizer_factory(optimizer),
         communication_type=communication_type,
         num_steps_per_communication=num_steps_per_communication,
+        broadcast_init=False,  # BlueFog leaves it to bf.broadcast_parameters
     )
 
 
@@ -115,6 +105,7 @@ def DistributedGradientAllreduceOptimizer(
         _model("DistributedGradientAllreduceOptimizer", model),
         optimizer_factory(optimizer),
         num_steps_per_communication=num_steps_per_communication,
+        broadcast_init=False,  # BlueFog leaves it to bf.broadcast_parameters
     )
 
 
@@ -152,6 +143,7 @@ def DistributedWinPutOptimizer(
         _model("DistributedWinPutOptimizer", model),
         optimizer_factory(optimizer),
         num_steps_per_communication=num_steps_per_communication,
+        broadcast_init=False,  # BlueFog leaves it to bf.broadcast_parameters
     )
 
 

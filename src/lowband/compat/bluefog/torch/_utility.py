@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 import lowband
+from lowband.comm.initial import broadcast_tensors
 from lowband.errors import InvalidArgumentError
 from lowband.runtime import current
 
@@ -37,9 +38,7 @@ def _named_tensors(op: str, params: object) -> list[tuple[str | None, torch.Tens
 def broadcast_parameters(params: Any, root_rank: int) -> None:
     """Overwrite every tensor of ``params`` (``model.state_dict()``, ``model.parameters()`` or
     ``model.named_parameters()``) with ``root_rank``'s, in place (nonblocking broadcasts, then waited)."""
-    items = _named_tensors("broadcast_parameters", params)
-    handles = [lowband.ibroadcast(t.detach(), root_rank, inplace=True, name=name) for name, t in items]
-    lowband.wait_all(handles)
+    broadcast_tensors(_named_tensors("broadcast_parameters", params), root_rank, group=None)
 
 
 def allreduce_parameters(params: Any) -> None:
