@@ -131,6 +131,7 @@ def _train(cfg: dict[str, Any]) -> torch.Tensor:
     m = _model(r)
     kind = cfg.get("kind", NR)
     kw: dict[str, Any] = {"communication_type": kind, "num_steps_per_communication": cfg.get("period", 1)}
+    kw["broadcast_init"] = False  # the simulation starts every rank from its own model
     topo = _topology(cfg["topology"], n // lowband.local_size() if kind is HNR else n)
     if not cfg.get("explicit"):
         kw["machine_topology" if kind is HNR else "topology"] = topo
@@ -294,8 +295,8 @@ def _strategies() -> dict[str, Any]:
         ("hierarchical-atc", {"topology": "exp2"}),
         ("gradient-allreduce", {}),
     ):
-        m = _model(r)  # gradient-allreduce starts every replica from rank 0's model
-        s = make_strategy(spec, m, FACTORIES["momentum"], **opts)
+        m = _model(r)  # the simulation starts each rank from its own model, gradient-allreduce from rank 0's
+        s = make_strategy(spec, m, FACTORIES["momentum"], broadcast_init=spec == "gradient-allreduce", **opts)
         in_sync = []
         for k in range(STEPS):
             batch = _batch(r, k)
@@ -422,11 +423,11 @@ def _bad_options() -> list[str]:
 def test_bad_options_raise() -> None:
     errs = run_threads(_bad_options, 2, timeout=60)[0]
     assert len(errs) == 19, errs
-    assert "topology must be one of" in errs[0] and "nope" in errs[0]
+    assert "topology must be a Topology, a DynamicTopology or one of" in errs[0] and "nope" in errs[0]
     assert "allreduce_every must be an int >= 0" in errs[1]
     assert "period must be an int >= 1, got 0" in errs[2]
     assert "period must be an int >= 1, got '2'" in errs[3]
-    assert "topology must be one of ['ring', 'exp2', 'full']" in errs[4]
+    assert "topology must be a Topology or one of ['ring', 'exp2', 'full']" in errs[4]
     assert "'inner-outer-exp2'" in errs[5]
     assert "local_size" in errs[6]
     assert "unknown option(s) ['period']" in errs[7]
