@@ -220,7 +220,11 @@ def listing_4(model: nn.Module, steps: int) -> nn.Module:
 
 def lowband_listing_4(model: nn.Module, steps: int) -> nn.Module:
     """Listing 4 written with lowband's own optimizer class (the reference for the compat factory)."""
-    opt = AdaptThenCombineOptimizer(model, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5))
+    opt = AdaptThenCombineOptimizer(
+        model,
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
+        broadcast_init=False,  # as BlueFog
+    )
     for k in range(steps):
         data, target = batch(lowband.rank(), k)
         src = (lowband.rank() - 1 - k % 2) % lowband.size()

@@ -366,7 +366,7 @@ def test_registry_and_bad_options(tmp_path: Any) -> None:
         ({"reprofile_drift": -0.1}, "reprofile_drift must be a number >= 0, got -0.1"),
         ({"divergence_every": -1}, "divergence_every must be an int >= 0, got -1"),
         ({"profile": 3}, "profile must be a JSON path or a CostProfile, got int"),
-        ({"profile": str(tmp_path / "missing.json")}, "cannot read a profile"),
+        ({"profile": str(tmp_path / "nodir" / "missing.json")}, "cannot read a profile"),
         ({"profile": str(bad_json)}, "cannot read a profile"),
         ({"profile": wrong}, "the profile's layers ['nope'] are not the model's layers"),
         ({"schedule": "x"}, "schedule must be a Schedule, got str"),

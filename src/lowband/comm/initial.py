@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from lowband.comm.agree import agree, crc
 from lowband.comm.collectives import ibroadcast
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -34,14 +35,26 @@ def broadcast_tensors(
         h.wait()
 
 
-def broadcast_initial_state(model: nn.Module, *, group: Group | None, enabled: bool = True) -> None:
+def broadcast_initial_state(
+    model: nn.Module, *, group: Group | None, enabled: bool = True, where: str = "lowband"
+) -> None:
     """Give every rank of ``group`` rank 0's parameters and buffers (``model.state_dict()``), unless
     ``enabled`` is False or the caller runs inside :func:`initial_state_settled`. Collective."""
     if not isinstance(enabled, bool):
         raise InvalidArgumentError(f"broadcast_init must be True or False, got {enabled!r}")
     if not enabled or _SETTLED.get():
         return
-    broadcast_tensors([(f"initial-model.{k}", t) for k, t in model.state_dict().items()], 0, group=group)
+    sd = model.state_dict()
+    desc = [(k, tuple(t.shape), str(t.dtype)) for k, t in sd.items()]
+    # one agreement first: a rank with another model fails on every rank, naming the rank
+    agree(
+        group,
+        "the model's parameters and buffers",
+        [len(desc), sum(t.numel() for t in sd.values()), crc(desc)],
+        fields=("the number of tensors", "the number of elements", "the hash of names, shapes and dtypes"),
+        where=f"{where}: the initial broadcast of the model",
+    )
+    broadcast_tensors([(f"initial-model.{k}", t) for k, t in sd.items()], 0, group=group)
 
 
 @contextlib.contextmanager

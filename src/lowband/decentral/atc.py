@@ -61,6 +61,7 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
         self.layerwise = LayerwiseOptimizer(
             layers, make_optimizer, on_layer=self._adapted, accumulate=num_steps_per_communication
         )
+        self.layerwise.refuse_restep = True  # step() closes every iteration
         self.inner = self.layerwise
         self._launched: set[int] = set()
         #: whether the J-th backward of this iteration stepped (and so combines) the layers

@@ -98,7 +98,7 @@ class WrapperBase(torch.optim.Optimizer):
         self._pending: PendingWork[list[Tensor]] = PendingWork(self.finish_layer)
         self._check_layout()
         # start every replica from rank 0's parameters and buffers, as DDP does (after the layout check)
-        broadcast_initial_state(model, group=self.group, enabled=broadcast_init)
+        broadcast_initial_state(model, group=self.group, enabled=broadcast_init, where=self.where)
 
     @staticmethod
     def model_layers(kind: str, model: object, group: Group | None) -> tuple[str, Layers]:

@@ -138,6 +138,10 @@ class PartialSyncStrategy(ScheduledStrategy):
         #: where the profile measured at the first step is saved (``profile=PATH`` of a missing file)
         self.profile_path: Path | None = None
         if isinstance(profile, (str, Path)) and not Path(profile).exists():
+            if not Path(profile).parent.is_dir():
+                raise InvalidArgumentError(
+                    f"{where}: cannot read a profile from {str(profile)!r} nor save one there (no such directory)"
+                )
             self.profile_path, profile = Path(profile), None
         elif isinstance(profile, (str, Path)):
             profile = load_profile(profile)
@@ -171,6 +175,7 @@ class PartialSyncStrategy(ScheduledStrategy):
         self.averager = LayerAverager(layers, group.unchecked())
         self.averager.timing = self.reprofile_drift > 0 and group.size > 1
         lw = LayerwiseOptimizer(layers, make_optimizer, on_layer=self.averager.on_layer)
+        lw.refuse_restep = True  # every iteration ends with step(): a second backward before it is an error
         super().__init__(model, lw, group)
         self.averager.attach(model, lw.optimizers)
         try:

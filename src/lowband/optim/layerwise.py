@@ -99,8 +99,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         self.on_layer = on_layer
         #: layers stepped in backward since the last :meth:`step` (a second step of one is refused)
         self.stepped: set[int] = set()
-        #: False lets backward passes step layers again without a step() between (profiling passes)
-        self.refuse_restep = True
+        #: True (set by the strategies and ATC, which close every iteration with step()): a layer stepped
+        #: again before step() raises; False (torch's step-in-backward pattern, step() optional) allows it
+        self.refuse_restep = False
         # param_groups of every inner optimizer, the same dict objects (LR schedulers edit them)
         self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
         self.defaults = dict(self.optimizers[0].defaults)

@@ -59,6 +59,6 @@ def make_strategy(
     where = f"make_strategy({name!r})"
     _, g = world_group(group, where)
     make = as_optimizer_factory(make_optimizer, where, model.parameters())
-    broadcast_initial_state(model, group=g, enabled=broadcast_init)
+    broadcast_initial_state(model, group=g, enabled=broadcast_init, where=f"{where} on rank {g.rank}")
     with initial_state_settled():
         return factory(model, make, g, **options)

@@ -37,5 +37,6 @@ def wrap_public(namespace: MutableMapping[str, Any], names: list[str]) -> None:
     """Replace every public function of ``namespace`` named in ``names`` by its :func:`needs_init` form."""
     for name in names:
         fn = namespace.get(name)
-        if name not in _EXEMPT and inspect.isfunction(fn):
+        # the topology builders need no context, and bf re-exports them as the same objects
+        if name not in _EXEMPT and inspect.isfunction(fn) and not fn.__module__.endswith("topology_util"):
             namespace[name] = needs_init(name, fn)
