@@ -131,9 +131,14 @@ def _extra_forward(kind: str) -> str:
 @pytest.mark.parametrize("kind", ["allreduce", "neighbor"])
 def test_an_extra_forward_on_one_rank_is_a_lowband_error_everywhere(kind: str) -> None:
     out = run_threads(_extra_forward, 3, kind, timeout=60, comm_timeout=5)
-    assert all(name in ("CollectiveMismatchError", "CommTimeoutError") for name in out), out
-    if kind == "allreduce":  # the checked path names the mismatch itself
-        assert "CollectiveMismatchError" in out
+    if kind == "allreduce":
+        # the layers' allreduces run on the checked path: every rank names the mismatch, and no data of
+        # different sizes is ever paired inside gloo
+        assert out == ["CollectiveMismatchError"] * 3, out
+    else:
+        # neighbor averaging is tagged point-to-point: rank 0 waits for messages nobody sends and gets the
+        # bounded timeout; the others' own operations all completed, so they have nothing to report
+        assert out == ["CommTimeoutError", "no error", "no error"], out
 
 
 # -- BlueFog without bf.init() ---------------------------------------------------------------------
