@@ -186,3 +186,25 @@ def test_train_step_returns_a_float_for_every_strategy() -> None:
     ran = {n for n, t in res.items() if not t.startswith("refused")}
     assert {"ddp", "powersgd", "localsgd", "stage", "atc", "awc", "dreamddp", "winput"} <= ran, res
     assert all(res[n] == "float" for n in ran), res
+
+
+# -- the initial broadcast of torch's own strategies -------------------------------------------------
+def _torch_initial() -> dict[str, list[torch.Tensor]]:
+    out: dict[str, list[torch.Tensor]] = {}
+    for name in ("ddp", "powersgd", "localsgd"):
+        for flag in (True, False):
+            m = _model(seed=40 + lowband.rank())
+            s = make_strategy(name, m, _sgd, broadcast_init=flag)
+            out.setdefault(name, []).append(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
+            s.close()
+    return out
+
+
+def test_torch_strategies_start_from_rank0_model_unless_told_not_to() -> None:
+    n = 2
+    res = run_processes(_torch_initial, n, timeout=120)
+    want = [torch.cat([p.detach().reshape(-1) for p in _model(40 + r).parameters()]) for r in range(n)]
+    for r in range(n):
+        for name, (on, off) in res[r].items():
+            assert torch.equal(on, want[0]), name
+            assert torch.equal(off, want[r]), name

@@ -2,15 +2,18 @@
 strategy or a decentralized optimizer is built, as torch DDP does at construction.
 
 :func:`broadcast_tensors` is the one routine (BlueFog's ``broadcast_parameters`` uses it too);
-:func:`broadcast_initial_state` is what constructors call. Inside :func:`initial_state_settled` (a
-strategy being built by :func:`lowband.strategies.make_strategy`, which broadcast already) it does
-nothing, so a model is broadcast once however many wrappers its strategy builds.
+:func:`broadcast_initial_state` is what constructors call once their arguments are checked (so a bad
+argument fails locally, before any communication). Inside :func:`initial_broadcast_once` (a strategy
+being built by :func:`lowband.strategies.make_strategy`) only the first such call broadcasts, so a model
+is broadcast once however many wrappers its strategy builds; ``make_strategy`` broadcasts after
+construction when no constructor did.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -21,8 +24,15 @@ from lowband.comm.collectives import ibroadcast
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 
-_SETTLED: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "lowband_initial_state_settled", default=False
+
+@dataclasses.dataclass
+class _Once:
+    enabled: bool
+    done: bool = False
+
+
+_ONCE: contextvars.ContextVar[_Once | None] = contextvars.ContextVar(
+    "lowband_initial_broadcast", default=None
 )
 
 
@@ -35,18 +45,31 @@ def broadcast_tensors(
         h.wait()
 
 
+def claim_initial_broadcast(enabled: bool = True) -> bool:
+    """Whether the caller is to broadcast the initial model now: ``enabled``, except inside
+    :func:`initial_broadcast_once`, where it is True for the first caller only (and never when that
+    context was opened with ``enabled=False``)."""
+    once = _ONCE.get()
+    if once is None:
+        return enabled
+    if not enabled or not once.enabled or once.done:
+        return False
+    once.done = True
+    return True
+
+
 def broadcast_initial_state(
     model: nn.Module, *, group: Group | None, enabled: bool = True, where: str = "lowband"
 ) -> None:
-    """Give every rank of ``group`` rank 0's parameters and buffers (``model.state_dict()``), unless
-    ``enabled`` is False or the caller runs inside :func:`initial_state_settled`. Collective."""
+    """Give every rank of ``group`` rank 0's parameters and buffers (``model.state_dict()``) when
+    :func:`claim_initial_broadcast` says so. Collective; one agreement on the model's layout first, so
+    a rank with another model fails on every rank, naming the rank."""
     if not isinstance(enabled, bool):
-        raise InvalidArgumentError(f"broadcast_init must be True or False, got {enabled!r}")
-    if not enabled or _SETTLED.get():
+        raise InvalidArgumentError(f"{where}: broadcast_init must be True or False, got {enabled!r}")
+    if not claim_initial_broadcast(enabled):
         return
     sd = model.state_dict()
     desc = [(k, tuple(t.shape), str(t.dtype)) for k, t in sd.items()]
-    # one agreement first: a rank with another model fails on every rank, naming the rank
     agree(
         group,
         "the model's parameters and buffers",
@@ -58,10 +81,11 @@ def broadcast_initial_state(
 
 
 @contextlib.contextmanager
-def initial_state_settled() -> Iterator[None]:
-    """Within: :func:`broadcast_initial_state` does nothing (the model was broadcast, or must not be)."""
-    token = _SETTLED.set(True)
+def initial_broadcast_once(enabled: bool) -> Iterator[None]:
+    """Within: the model is broadcast at most once (by the first :func:`broadcast_initial_state` or
+    :func:`claim_initial_broadcast` caller), or never when ``enabled`` is False."""
+    token = _ONCE.set(_Once(enabled))
     try:
         yield
     finally:
-        _SETTLED.reset(token)
+        _ONCE.reset(token)

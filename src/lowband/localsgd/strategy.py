@@ -38,8 +38,8 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   ``profile=PATH`` they schedule from the same saved profile; a checkpoint holds the profile, the units
   and the schedule, so a resumed run keeps them. ``reprofile_drift > 0`` re-schedules on measured
   timings and so is not repeatable.
-- Buffers (BatchNorm statistics) are not averaged; the initial parameters are rank 0's when the
-  strategy is built by :func:`~lowband.strategies.make_strategy` (``broadcast_init=True``), as
+- Buffers (BatchNorm statistics) are not averaged; the initial parameters and buffers are rank 0's
+  (broadcast at construction; ``make_strategy(..., broadcast_init=False)`` keeps each rank's), as
   Algorithm 1 starts from one ``w_0``.
 """
 
@@ -52,6 +52,7 @@ import torch
 from torch import nn
 
 from lowband.comm.agree import crc
+from lowband.comm.initial import broadcast_initial_state
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile
@@ -157,6 +158,7 @@ class PartialSyncStrategy(ScheduledStrategy):
         layers = parameter_layers(model)
         if not layers:
             raise InvalidArgumentError(f"{where}: the model has no trainable parameters")
+        broadcast_initial_state(model, group=group, where=where)  # Algorithm 1 starts from one w_0
         self.period = period
         self.reprofile_drift = float(reprofile_drift)
         self.divergence_every = divergence_every

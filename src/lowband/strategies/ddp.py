@@ -28,6 +28,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
 
+from lowband.comm.initial import claim_initial_broadcast
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
@@ -64,7 +65,13 @@ class DDPStrategy(Strategy):
             )
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.hook = hook
-        self.ddp = DistributedDataParallel(model, process_group=group.pg, bucket_cap_mb=self.bucket_cap_mb)
+        # DDP broadcasts rank 0's model itself (once: not when make_strategy is told broadcast_init=False)
+        self.ddp = DistributedDataParallel(
+            model,
+            process_group=group.pg,
+            bucket_cap_mb=self.bucket_cap_mb,
+            init_sync=claim_initial_broadcast(),
+        )
         if _TORCH_HOOKS[hook] is not None:
             self.ddp.register_comm_hook(group.pg, _TORCH_HOOKS[hook])
         super().__init__(model, make_optimizer(model.parameters()), group)

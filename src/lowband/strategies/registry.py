@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.initial import broadcast_initial_state, initial_state_settled
+from lowband.comm.initial import broadcast_initial_state, initial_broadcast_once
+from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.factory import as_optimizer_factory
 from lowband.registry import Registry, parse_spec
@@ -53,12 +54,17 @@ def make_strategy(
     ``make_optimizer`` is a factory (``params -> optimizer``) or a torch optimizer built on
     ``model.parameters()``, rebuilt by the strategy on the parameters it needs with the same class and
     options (:func:`lowband.optim.factory.as_optimizer_factory`). With ``broadcast_init`` (the default)
-    every rank starts from rank 0's parameters and buffers, as torch DDP does; collective."""
+    every rank starts from rank 0's parameters and buffers, as torch DDP does (broadcast once the
+    strategy's arguments are checked); collective."""
     factory = STRATEGIES.get(name)
     STRATEGIES.check_options(name, options)
     where = f"make_strategy({name!r})"
     _, g = world_group(group, where)
     make = as_optimizer_factory(make_optimizer, where, model.parameters())
-    broadcast_initial_state(model, group=g, enabled=broadcast_init, where=f"{where} on rank {g.rank}")
-    with initial_state_settled():
-        return factory(model, make, g, **options)
+    if not isinstance(broadcast_init, bool):
+        raise InvalidArgumentError(f"{where}: broadcast_init must be True or False, got {broadcast_init!r}")
+    with initial_broadcast_once(broadcast_init):
+        # the constructor broadcasts once its arguments are checked; if it did not, it happens here
+        strategy = factory(model, make, g, **options)
+        broadcast_initial_state(model, group=g, where=f"{where} on rank {g.rank}")
+    return strategy
