@@ -23,6 +23,7 @@ from lowband.comm.agree import agree, crc
 from lowband.comm.collectives import ibroadcast
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.nn.sharding import shard_specs
 
 
 @dataclasses.dataclass
@@ -61,14 +62,16 @@ def claim_initial_broadcast(enabled: bool = True) -> bool:
 def broadcast_initial_state(
     model: nn.Module, *, group: Group | None, enabled: bool = True, where: str = "lowband"
 ) -> None:
-    """Give every rank of ``group`` rank 0's parameters and buffers (``model.state_dict()``) when
+    """Give every rank of ``group`` rank 0's parameters and buffers (``model.state_dict()`` but its
+    sharded parameters, :func:`lowband.nn.sharding.shard_specs`) when
     :func:`claim_initial_broadcast` says so. Collective; one agreement on the model's layout first, so
     a rank with another model fails on every rank, naming the rank."""
     if not isinstance(enabled, bool):
         raise InvalidArgumentError(f"{where}: broadcast_init must be True or False, got {enabled!r}")
     if not claim_initial_broadcast(enabled):
         return
-    sd = model.state_dict()
+    sharded = shard_specs(model)  # parameters that live on one rank only are not the model's replica
+    sd = {k: t for k, t in model.state_dict().items() if k not in sharded}
     desc = [(k, tuple(t.shape), str(t.dtype)) for k, t in sd.items()]
     agree(
         group,

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from lowband.comm.agree import agree, crc
-from lowband.comm.collectives import broadcast
 from lowband.comm.gather import iallgather
 from lowband.comm.handle import Handle
+from lowband.comm.initial import broadcast_initial_state
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import AllreduceReducer, Unit, parameter_names
@@ -82,8 +82,7 @@ class EmbeddingSyncStrategy(Strategy):
     ) -> None:
         where = type(self).__name__
         self.bucket_mb, _ = check_bucket_mb(where, bucket_mb, 1.0)
-        for t in model.state_dict().values():  # every replica starts from rank 0's model, as DDP does
-            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
         self.tables = embedding_tables(model)
         shapes = [(n, tuple(e.weight.shape), str(e.weight.dtype)) for n, e in self.tables]
         agree(

@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.collectives import broadcast
 from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle
+from lowband.comm.initial import broadcast_initial_state
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
@@ -64,8 +64,7 @@ class DensePriorityStrategy(Strategy):
                 f"DensePriorityStrategy: chunk_mb must be a number > 0, got {chunk_mb!r}"
             )
         self.chunk_mb = float(chunk_mb)
-        for t in model.state_dict().values():
-            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
         self.fast = group.unchecked()
         self.layers = parameter_layers(model)
         lw = LayerwiseOptimizer(self.layers, make_optimizer)

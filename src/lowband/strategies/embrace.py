@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.collectives import broadcast
+from lowband.comm.initial import broadcast_initial_state
 from lowband.compress.slimgc.executor import Executor
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -91,8 +91,7 @@ class EmbraceStrategy(Strategy):
                 f"{where}: overlap must be a bool, and true only with schedule='vertical'"
             )
         self.schedule, self.overlap, self.bucket_mb = schedule, overlap, float(bucket_mb)
-        for t in model.state_dict().values():  # every replica starts from rank 0's model, as DDP does
-            broadcast(t, 0, inplace=True, name="initial-model", group=group)
+        broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
         self.tables = partition_tables(model, _channel(group))
         if not self.tables:
             raise InvalidArgumentError(f"{where}: the model has no nn.Embedding to partition")
