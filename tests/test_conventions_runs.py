@@ -27,6 +27,7 @@ from lowband.localsgd import rescheduling
 from lowband.localsgd.costmodel import CostProfile, LayerCost
 from lowband.optim import parameter_layers
 from lowband.strategies import make_strategy, strategy_names
+from lowband.strategies.registry import STRATEGIES
 from lowband.testing import run_processes, run_threads
 
 LR = 0.05
@@ -182,7 +183,9 @@ def _every_strategy() -> dict[str, str]:
 
 def test_train_step_returns_a_float_for_every_strategy() -> None:
     res = run_processes(_every_strategy, 2, timeout=300)[0]
-    assert set(res) == set(strategy_names())
+    # lowband's own strategies: the ranks are fresh processes, which do not import test fixtures that
+    # register more (tests/sharded_model.py)
+    assert set(res) == {n for n in strategy_names() if STRATEGIES.get(n).__module__.startswith("lowband.")}
     ran = {n for n, t in res.items() if not t.startswith("refused")}
     assert {"ddp", "powersgd", "localsgd", "stage", "atc", "awc", "dreamddp", "winput"} <= ran, res
     assert all(res[n] == "float" for n in ran), res

@@ -54,6 +54,33 @@ def _bn_dropout_model() -> nn.Module:
     return m
 
 
+class _EmbModel(nn.Module):
+    """An embedding table read with ids derived from the inputs, then dense layers (for the strategies
+    that partition or exchange tables)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 4)
+        self.head = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x.abs() * 7).long() % 20
+        return self.head(self.emb(ids).mean(1))  # type: ignore[no-any-return]
+
+
+def _emb_model() -> nn.Module:
+    g = torch.Generator().manual_seed(9)
+    m = _EmbModel().double()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+    return m
+
+
+# strategies that need a model with an embedding table run on _emb_model
+NEEDS_TABLES = {"embrace"}
+
+
 def _loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * rank + step)
     x, y = (
@@ -95,7 +122,7 @@ def _train_and_resume(names: list[str]) -> dict[str, tuple[list[float], list[flo
     out = {}
     for key in names:
         name, _, variant = key.partition("/")
-        make = _bn_dropout_model if variant else _model
+        make = {"bn-dropout": _bn_dropout_model, "emb": _emb_model}.get(variant, _model)
         whole, ckpt = _run(name, make(), range(STEPS), None)
         resumed, _ = _run(name, make(), range(RESUME_AT, STEPS), ckpt)
         out[key] = (whole, resumed)
@@ -106,7 +133,8 @@ def test_every_strategy_resumes_from_weights_only_checkpoint() -> None:
     # lowband's own strategies: the ranks are fresh processes, which do not import test fixtures that
     # register more (tests/sharded_model.py)
     own = [n for n in strategy_names() if STRATEGIES.get(n).__module__.startswith("lowband.")]
-    names = [*own, "ddp/bn-dropout", "powersgd/bn-dropout"]
+    own = [f"{n}/emb" if n in NEEDS_TABLES else n for n in own]
+    names = [*own, "ddp/bn-dropout", "powersgd/bn-dropout", "sparse-allgather/emb", "embedding-ps/emb"]
     assert set(NOT_BIT_EXACT) <= set(names)
     n = 3
     res = run_processes(_train_and_resume, n, names, timeout=300)
