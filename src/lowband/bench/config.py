@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lowband.errors import InvalidArgumentError
-from lowband.testbed.links import DEFAULT_MTU, build_layout, check_mtu
+from lowband.testbed.links import DEFAULT_MTU, Layout, build_layout, check_mtu
 
 DEFAULT_STRATEGIES = ("ddp", "powersgd", "localsgd:period=5")
 
@@ -49,6 +49,18 @@ class BenchConfig:
     #: message sizes in bytes for the collectives mode; each timed ``reps`` times per round
     sizes: list[int] = field(default_factory=lambda: [1_000_000, 4_000_000, 16_000_000])
     reps: int = 5
+
+    def layout(self) -> Layout:
+        """The link layout this run asks for (pure: parses the rates, builds nothing)."""
+        return build_layout(
+            self.world_size,
+            rate=self.rate,
+            rates=self.rates,
+            ranks_per_machine=self.ranks_per_machine,
+            intra_rate=self.intra_rate,
+            delay_ms=self.delay_ms,
+            where="lowband bench",
+        )
 
     def validate(self) -> None:
         def bad(what: str) -> InvalidArgumentError:
@@ -93,15 +105,7 @@ class BenchConfig:
                 f"rates has {len(self.rates)} entries; need one per machine ({self.world_size // self.ranks_per_machine})"
             )
         check_mtu("lowband bench", self.mtu)
-        build_layout(  # the rates parse (pure: nothing is built)
-            self.world_size,
-            rate=self.rate,
-            rates=self.rates,
-            ranks_per_machine=self.ranks_per_machine,
-            intra_rate=self.intra_rate,
-            delay_ms=self.delay_ms,
-            where="lowband bench",
-        )
+        self.layout()  # the rates parse (pure: nothing is built)
         if self.mode not in ("auto", "netns", "loopback"):
             raise bad(f"mode must be auto, netns or loopback, got {self.mode!r}")
         if self.batch_size is not None and self.batch_size < 1:

@@ -26,19 +26,6 @@ from lowband.bench.report import legend, markdown_table, plot_all, sweep_table, 
 from lowband.bench.resources import check_resources, machine, rank_bytes
 from lowband.errors import LowbandError
 from lowband.testbed import Layout, Testbed
-from lowband.testbed.links import build_layout
-
-
-def make_layout(cfg: BenchConfig) -> Layout:
-    return build_layout(
-        cfg.world_size,
-        rate=cfg.rate,
-        rates=cfg.rates,
-        ranks_per_machine=cfg.ranks_per_machine,
-        intra_rate=cfg.intra_rate,
-        delay_ms=cfg.delay_ms,
-        where="lowband bench",
-    )
 
 
 def link_shares(layout: Layout) -> list[Rates]:
@@ -115,7 +102,7 @@ def run_bench(
     (out / "raw.json").unlink(missing_ok=True)
     cfg_path = out / "config.json"
     cfg.save(cfg_path)
-    layout = make_layout(cfg)
+    layout = cfg.layout()
     started = datetime.datetime.now().isoformat(timespec="seconds")
     with Testbed(layout, mode=cfg.mode, mtu=cfg.mtu) as tb:
         logs = [open(out / "logs" / f"rank{r}.log", "w") for r in range(cfg.world_size)]  # noqa: SIM115
