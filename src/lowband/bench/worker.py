@@ -96,10 +96,14 @@ def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) 
     lowband.barrier()
     tx0, rx0 = _iface_bytes()
     starts, ends, losses, items = [], [], [], 0
-    for _ in range(cfg.steps_per_round):
-        batch = next(run.batches)
+    ahead = getattr(wl, "lookup_ids", None)  # the next batch's table ids, for strategies that prefetch
+    nxt = next(run.batches) if cfg.steps_per_round else None
+    for k in range(cfg.steps_per_round):
+        batch, nxt = nxt, (next(run.batches) if k + 1 < cfg.steps_per_round else None)
         t0 = time.perf_counter()
         loss = run.strategy.train_step(functools.partial(wl.loss, batch=batch))
+        if ahead is not None and nxt is not None:
+            run.strategy.lookahead(ahead(nxt))
         t1 = time.perf_counter()
         starts.append(t0 - epoch0)
         ends.append(t1 - epoch0)

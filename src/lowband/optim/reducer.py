@@ -26,6 +26,7 @@ from torch import nn
 
 from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle
+from lowband.comm.priority import NegotiatedQueue
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 
@@ -84,6 +85,36 @@ class AllreduceReducer(Reducer):
 
     def __repr__(self) -> str:
         return "AllreduceReducer()"
+
+
+class PriorityReducer(Reducer):
+    """``inner``'s reductions run on a :class:`~lowband.comm.priority.NegotiatedQueue` in priority
+    order: ``units[k]`` has priority ``k`` (the stage's forward order: the first layer's gradients go
+    first once ready on every rank), so a reduction launched later in backward overtakes those not
+    started yet. The queue negotiates on the reduction's group; its ``n`` must be ``len(units)``."""
+
+    def __init__(self, inner: Reducer, queue: NegotiatedQueue, units: Sequence[Unit]) -> None:
+        if queue.n != len(units):
+            raise InvalidArgumentError(
+                f"PriorityReducer: the queue has {queue.n} keys for {len(units)} units"
+            )
+        self.inner, self.queue = inner, queue
+        self._key = {id(u): k for k, u in enumerate(units)}
+
+    def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
+        k = self._key.get(id(unit))
+        if k is None:
+            raise InvalidArgumentError(f"PriorityReducer: unit {unit.key!r} is not one of the queue's units")
+        return self.queue.submit(k, lambda: self.inner.reduce(unit, grads, ctx), name=unit.key)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        return f"PriorityReducer({self.inner!r})"
 
 
 def parameter_names(model: nn.Module) -> dict[nn.Parameter, str]:

@@ -285,6 +285,16 @@ class GradientStage:
         if self.reducer is not None:
             self._report_done(block=True)
 
+    def complete(self, i: int) -> None:
+        """Complete unit ``i`` alone (its reduced gradients in ``.grad``) and report it, if it is launched
+        and not completed yet: for stepping a unit when it is needed (e.g. just before its module's next
+        forward) rather than every unit at once (:meth:`wait`)."""
+        if self._in_backward:
+            raise InvalidArgumentError(f"{self.where}: complete() inside a backward pass")
+        if i in self._handles:
+            self._finish(i)
+            self._report(i)
+
     def in_flight(self) -> list[int]:
         """Units whose reduction is launched and not waited yet."""
         return sorted(self._handles)

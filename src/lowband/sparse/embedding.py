@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.nn.sharding import ShardSpec
@@ -44,15 +45,23 @@ PlanHook = Callable[["PartitionedEmbedding", LookupPlan], None]
 
 class _Lookup(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, table: PartitionedEmbedding, plan: LookupPlan) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        shard: torch.Tensor,
+        table: PartitionedEmbedding,
+        plan: LookupPlan,
+        issued: Handle[torch.Tensor] | None,
+    ) -> torch.Tensor:
         ctx.table, ctx.plan = table, plan
+        if issued is not None:  # prefetched: the exchange was issued ahead of the forward
+            return issued.wait()
         return ilookup(shard.detach(), plan, table.widths, name=table.table_name, group=table.group).wait()
 
     @staticmethod
-    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         table: PartitionedEmbedding = ctx.table
         sink = table.gradient_sink or PartitionedEmbedding.exchange_now
-        return sink(table, ctx.plan, grad_rows.contiguous()), None, None
+        return sink(table, ctx.plan, grad_rows.contiguous()), None, None, None
 
 
 class PartitionedEmbedding(nn.Module):
@@ -100,6 +109,7 @@ class PartitionedEmbedding(nn.Module):
         self.weight = nn.Parameter(self.spec.slice(dense.weight.detach()), requires_grad=not _freeze)
         self.gradient_sink: GradientSink | None = None
         self.on_plan: PlanHook | None = None
+        self._prefetched: list[tuple[torch.Tensor, LookupPlan, Handle[torch.Tensor]]] = []
 
     @classmethod
     def from_embedding(
@@ -141,7 +151,25 @@ class PartitionedEmbedding(nn.Module):
             f"of rank {self.group.rank}/{self.group.size}"
         )
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start the lookup of ``ids`` now (every rank's ids gathered, :attr:`on_plan` told, the
+        all-to-all of the rows issued), ahead of the call that reads them: the next call must be on
+        equal ids and takes the rows from here. Every rank must prefetch alike (a collective). The
+        rows are those of the table as it is now: change it only after that call (or
+        :meth:`drop_prefetched`)."""
+        self._check_ids(ids)
+        plan = plan_lookup(ids, name=self.table_name, group=self.group)
+        if self.on_plan is not None:
+            self.on_plan(self, plan)
+        issued = ilookup(self.weight.detach(), plan, self.widths, name=self.table_name, group=self.group)
+        self._prefetched.append((ids.detach().clone(), plan, issued))
+
+    def drop_prefetched(self) -> None:
+        """Complete and discard the prefetched lookups no call has read (every rank alike)."""
+        while self._prefetched:
+            self._prefetched.pop(0)[2].wait()
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int32, torch.int64):
             raise InvalidArgumentError(
                 f"PartitionedEmbedding {self.table_name!r} on rank {self.group.rank}: ids must be an int32/int64 "
@@ -152,10 +180,24 @@ class PartitionedEmbedding(nn.Module):
                 f"PartitionedEmbedding {self.table_name!r} on rank {self.group.rank}: ids must lie in "
                 f"[0, {self.num_embeddings}), got [{int(ids.min())}, {int(ids.max())}]"
             )
-        plan = plan_lookup(ids, name=self.table_name, group=self.group)
-        if self.on_plan is not None:
-            self.on_plan(self, plan)
-        rows: torch.Tensor = _Lookup.apply(self.weight, self, plan)  # type: ignore[no-untyped-call]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check_ids(ids)
+        issued: Handle[torch.Tensor] | None = None
+        if self._prefetched:
+            want, plan, issued = self._prefetched.pop(0)
+            if want.shape != ids.shape or not torch.equal(want, ids.to(want.dtype)):
+                issued.wait()
+                raise InvalidArgumentError(
+                    f"PartitionedEmbedding {self.table_name!r} on rank {self.group.rank}: called on ids "
+                    f"{tuple(ids.shape)} other than the ones prefetched {tuple(want.shape)} (the next call "
+                    "after prefetch() must be on the same ids)"
+                )
+        else:
+            plan = plan_lookup(ids, name=self.table_name, group=self.group)
+            if self.on_plan is not None:
+                self.on_plan(self, plan)
+        rows: torch.Tensor = _Lookup.apply(self.weight, self, plan, issued)  # type: ignore[no-untyped-call]
         return rows.index_select(0, plan.inverse).view(*ids.shape, self.embedding_dim)
 
     def grad_masks(self, plan: LookupPlan) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ to evaluate or export, for every strategy: replicated floating-point state avera
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -119,6 +119,11 @@ class Strategy:
 
     def synchronize(self) -> None:
         """Finish all in-flight communication (nothing is in flight between steps by default)."""
+
+    def lookahead(self, ids: Mapping[str, torch.Tensor]) -> None:
+        """After a step: the ids each embedding table (by module name) will be called on in the next
+        step, for strategies that issue lookups ahead (``embrace:schedule=horizontal|2d``); ignored by
+        default. Call it on every rank alike."""
 
     def in_sync(self) -> bool:
         """True when, by construction, every rank holds the same replicated parameters after the last

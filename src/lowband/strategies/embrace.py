@@ -4,9 +4,14 @@ Deep Neural Networks"): every ``nn.Embedding`` of the model becomes a column-par
 the dense rest is allreduced on the gradient stage (the hybrid), and torch optimizers step: one over
 the replicated parameters, one over this rank's table columns (their state lives on this rank only).
 
-Spec: ``embrace:schedule=hybrid|vertical,overlap=false|true,bucket_mb=MB``.
+Spec: ``embrace:schedule=hybrid|horizontal|vertical|2d,overlap=false|true,bucket_mb=MB``.
 
 - ``hybrid``: the embedding gradients are exchanged in backward and stepped with the dense ones.
+- ``horizontal``: block-level horizontal scheduling (:mod:`lowband.strategies.embrace_blocks`): the
+  dense layers are reduced on one communication thread in forward-order priority (an order negotiated
+  with every rank) and each is stepped just before its module's next forward; the next step's
+  embedding lookups (ids from :meth:`EmbraceStrategy.lookahead`) and their all-to-alls are issued at
+  the end of the step, ahead of the dense forward, while the dense reductions are still in flight.
 - ``vertical``: Algorithm 1 (:mod:`lowband.sparse.vertical`): the rows the next batch of every rank
   reads are exchanged and applied before its lookup, the rest in idle time (the end of the next step),
   before evaluation and before a checkpoint (``synchronize``); undelivered rows go into
@@ -14,6 +19,8 @@ Spec: ``embrace:schedule=hybrid|vertical,overlap=false|true,bucket_mb=MB``.
   counter advanced once per iteration, SGD without momentum as is. ``overlap=true``: the delayed rows
   go on one communication thread while the next backward computes (and the dense allreduces run),
   in an order every rank agrees on.
+- ``2d``: horizontal and vertical together (the paper's 2D communication scheduling); ``overlap`` as
+  for ``vertical``.
 
 Equivalence: both schedules train as the single-process model on every rank's batch with the ranks'
 losses averaged (``vertical`` with lazy Adam semantics on the tables). The tables' traffic runs on its
@@ -22,6 +29,7 @@ own channel over the group, so it never interleaves with the stage's allreduces.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,9 +48,10 @@ from lowband.sparse.lazy import lazy_optimizer
 from lowband.sparse.vertical import VerticalSchedule
 from lowband.strategies import sharded_state
 from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.embrace_blocks import BlockSchedule
 from lowband.strategies.registry import register_strategy
 
-SCHEDULES = ("hybrid", "vertical")
+SCHEDULES = ("hybrid", "horizontal", "vertical", "2d")
 
 
 def _channel(group: Group) -> Group:
@@ -86,9 +95,13 @@ class EmbraceStrategy(Strategy):
             raise InvalidArgumentError(f"{where}: schedule must be one of {SCHEDULES}, got {schedule!r}")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
             raise InvalidArgumentError(f"{where}: bucket_mb must be a number >= 0, got {bucket_mb!r}")
-        if not isinstance(overlap, bool) or (overlap and schedule != "vertical"):
+        if not isinstance(overlap, bool) or (overlap and schedule not in ("vertical", "2d")):
             raise InvalidArgumentError(
-                f"{where}: overlap must be a bool, and true only with schedule='vertical'"
+                f"{where}: overlap must be a bool, and true only with schedule='vertical' or '2d'"
+            )
+        if bucket_mb and schedule in ("horizontal", "2d"):
+            raise InvalidArgumentError(
+                f"{where}: schedule={schedule!r} schedules the dense layers as blocks: bucket_mb must be 0"
             )
         self.schedule, self.overlap, self.bucket_mb = schedule, overlap, float(bucket_mb)
         broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
@@ -99,20 +112,32 @@ class EmbraceStrategy(Strategy):
         dense = [p for p in model.parameters() if id(p) not in table_params]
         if not dense:
             raise InvalidArgumentError(f"{where}: the model has no parameter besides its embedding tables")
-        super().__init__(model, make_optimizer(dense), group)
-        shard_opt = make_optimizer([t.weight for t in self.tables.values()])
-        self.table_optimizer = shard_opt if schedule == "hybrid" else lazy_optimizer(shard_opt, where=where)
         timeout = world_group(group, where)[0].config.timeout
-        self.executor = Executor(offload=True, timeout=timeout, where="embrace-comm") if overlap else None
+        layers = [(n, [p for p in ps if id(p) not in table_params]) for n, ps in parameter_layers(model)]
+        layers = [(n, ps) for n, ps in layers if ps]
+        self.blocks = (
+            BlockSchedule(model, layers, make_optimizer, group, timeout=timeout, where=where)
+            if schedule in ("horizontal", "2d")
+            else None
+        )
+        super().__init__(
+            model, make_optimizer(dense) if self.blocks is None else self.blocks.optimizer, group
+        )
+        shard_opt = make_optimizer([t.weight for t in self.tables.values()])
+        lazy = schedule in ("vertical", "2d")
+        self.table_optimizer = lazy_optimizer(shard_opt, where=where) if lazy else shard_opt
+        self.executor = Executor(offload=True, timeout=timeout, where=f"embrace-comm on rank {group.rank}") if overlap else None
         self.vertical = (
             VerticalSchedule(self.tables, self.table_optimizer, 1.0 / group.size, self.executor)
-            if schedule == "vertical"
+            if lazy
             else None
         )
         names = parameter_names(model)
+        if self.blocks is not None:
+            self.stage = self.blocks.stage
+            return
         if self.bucket_mb == 0:
-            layers = [(n, [p for p in ps if id(p) not in table_params]) for n, ps in parameter_layers(model)]
-            units = layer_units([(n, ps) for n, ps in layers if ps], names)
+            units = layer_units(layers, names)
         else:
             units = [
                 u
@@ -127,8 +152,30 @@ class EmbraceStrategy(Strategy):
 
     # -- training ---------------------------------------------------------------------------------
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.blocks is not None:
+            self.blocks.zero_grad()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         self.table_optimizer.zero_grad(set_to_none=True)
+
+    def lookahead(self, ids: Mapping[str, torch.Tensor]) -> None:
+        """With ``schedule=horizontal|2d``: the ids each table (by module name) is called on in the next
+        step, known one step ahead (the paper prefetches its data): their lookups and all-to-alls are
+        issued now, ahead of the next dense forward. Call it after :meth:`step` (``train_step``), on
+        every rank alike; ignored by the other schedules."""
+        if self.blocks is None:
+            return
+        unknown = sorted(set(ids) - set(self.tables))
+        if unknown:
+            raise InvalidArgumentError(
+                f"strategy 'embrace' on rank {self.group.rank}: lookahead ids for {unknown}, which are not "
+                f"embedding tables of the model (tables: {sorted(self.tables)})"
+            )
+        if self.vertical is not None:
+            self.vertical.drain()
+        for name, table in self.tables.items():  # model order: the same on every rank
+            if name in ids:
+                table.prefetch(ids[name])
 
     def train_step(self, loss_fn: Any) -> float:
         if self.vertical is not None:
@@ -136,15 +183,23 @@ class EmbraceStrategy(Strategy):
         return super().train_step(loss_fn)
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.blocks is not None:  # layers the forward did not read
+            self.blocks.finish_all()
         if self.vertical is not None and self.overlap:  # the delayed rows travel during the backward
             self.vertical.submit_delayed(self.steps + 1)
         loss.backward()  # type: ignore[no-untyped-call]
 
-    def step(self) -> None:
+    def finish_gradients(self) -> None:
         self.stage.wait()
+
+    def step(self) -> None:
         if self.vertical is not None:
             self.vertical.drain()
-        self.optimizer.step()
+        if self.blocks is not None:
+            self.blocks.end_step()  # each layer stepped just before its next forward
+        else:
+            self.stage.wait()
+            self.optimizer.step()
         if self.vertical is None:
             for t in self.tables.values():
                 if t.weight.grad is not None:
@@ -154,7 +209,14 @@ class EmbraceStrategy(Strategy):
             self.vertical.deliver_before(self.steps + 1)
 
     def synchronize(self) -> None:
-        self.stage.wait()
+        if self.blocks is not None:
+            self.blocks.finish_all()
+            if self.vertical is not None:
+                self.vertical.drain()
+            for t in self.tables.values():
+                t.drop_prefetched()
+        else:
+            self.stage.wait()
         if self.vertical is not None:
             self.vertical.deliver_all()
 
@@ -169,11 +231,15 @@ class EmbraceStrategy(Strategy):
             out["delivered_rows"] = dict(self.vertical.delivered_rows)
         if self.executor is not None:
             out["comm_thread_busy_s"] = self.executor.busy_s
+        if self.blocks is not None:
+            q = self.blocks.queue
+            out["negotiations"], out["empty_negotiations"] = q.negotiations, q.empty_negotiations
         return out
 
     # -- checkpoints: both optimizers in one torch-style optimizer state --------------------------
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.optimizer, self.table_optimizer]
+        dense = [self.optimizer] if self.blocks is None else list(self.blocks.optimizer.optimizers)
+        return [*dense, self.table_optimizer]
 
     def _optimizer_names(self) -> list[str]:
         return [
@@ -181,6 +247,8 @@ class EmbraceStrategy(Strategy):
         ]
 
     def state_dict(self) -> dict[str, Any]:
+        if self.blocks is not None:  # the dense updates still due are applied (as the next forward would)
+            self.blocks.finish_all()
         state = super().state_dict()
         merged: dict[str, Any] = {"state": {}, "param_groups": []}
         offset = 0
@@ -232,6 +300,8 @@ class EmbraceStrategy(Strategy):
             self.vertical.load_state_dict(state["vertical"], self.group.size, where)
 
     def close(self) -> None:
+        if self.blocks is not None:
+            self.blocks.close()
         self.stage.remove_hooks()
         if self.executor is not None:
             self.executor.close()
@@ -240,7 +310,7 @@ class EmbraceStrategy(Strategy):
 @register_strategy(
     "embrace",
     "EmbRace: column-partitioned embedding tables (AlltoAll) + allreduced dense layers "
-    "(schedule=hybrid|vertical, overlap, bucket_mb)",
+    "(schedule=hybrid|horizontal|vertical|2d, overlap, bucket_mb)",
 )
 def embrace(
     model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, schedule: str = "hybrid",
