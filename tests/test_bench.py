@@ -69,6 +69,24 @@ def test_metrics_definitions() -> None:
     assert time_to_target(raw["runs"]["ddp"], 0.5, 1) is None  # type: ignore[arg-type]
 
 
+def test_metrics_leave_out_each_rounds_first_step() -> None:
+    """A strategy whose step k waits for step k-1's communication: each round's first step has nothing
+    to wait for (0.1 s), the others 0.3 s; the last step's tail went to synchronize(). The iteration
+    time and the throughput are the steady state's (0.3 s); the time to target counts every step."""
+    run = _run(0.3, [4, 3, 2, 1, 1, 1], tx=1e5, rounds=2)
+    wall = 0.0
+    for seg in run["segments"]:  # type: ignore[attr-defined]
+        seg["step_times"][0] = 0.1
+        wall = seg["wall_end"] = wall + sum(seg["step_times"])
+    raw = {"world_size": 2, "runs": {"overlap": run}}
+    row = summarize(raw, warmup_rounds=0, rank_rates=None, bytes_sharing=1, baselines=[], smooth=1)
+    row = row["strategies"]["overlap"]
+    assert row["iter_time_median"] == pytest.approx(0.3) and row["iter_time_mean"] == pytest.approx(0.3)
+    assert row["throughput"] == pytest.approx(10 / 0.3)  # 10 items per step
+    assert row["time_to_target"] == pytest.approx(0.1 + 0.3 + 0.3 + 0.1)  # loss 1 at step 4
+    assert row["bytes_sent_per_rank_step"] == pytest.approx(1e5)  # the counters span whole rounds
+
+
 def test_metrics_heterogeneous_links() -> None:
     """The bound takes each rank's bytes at that rank's own rates: the busy rank 0 on a fast link and
     the idle rank 2 on a slow one. The step takes 200 ms, the slow link needs 160 ms of it: efficiency

@@ -8,8 +8,14 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
   step duration, which on oversubscribed cores counts every rank's scheduling jitter as the job's; DDP
   reads the same under both.) A round's mean is one sample (periodic strategies
   communicate in some steps only, so a per-step median would hide their synchronizations);
-  reported as the median, min and max over rounds, and the overall mean.
-- throughput: items (samples or tokens, all ranks) per second of training.
+  reported as the median, min and max over rounds, and the overall mean. The steady state: a round's
+  first step is left out of these figures (not of the time to target) when the round has more than
+  one. It follows the round's barrier and ``synchronize()``, so nothing of an earlier step is in
+  flight, while the communication a strategy overlaps with the next step (a layer stepped in its next
+  forward, delayed embedding rows) of the round's last step completes in ``synchronize()``, outside
+  the step times: with every step counted, such a strategy would have one step's tail per round
+  uncounted. (Before 2026-11-24 every step was counted.)
+- throughput: items (samples or tokens, all ranks) per second of training, over the same steps.
 - bytes per rank per step: what crossed the rank's link according to the kernel's interface counters
   (IP packets, headers included); on unshaped loopback the counters of ``lo`` are shared by all ranks
   and are divided by the world size.
@@ -57,8 +63,15 @@ def _timed(run: dict[str, Any], warmup_rounds: int) -> list[dict[str, Any]]:
     return segs or run["segments"]
 
 
+def steady(seg: dict[str, Any]) -> list[float]:
+    """A round's step times in the steady state: without its first step when it has more than one
+    (module docstring)."""
+    times: list[float] = seg["step_times"]
+    return times[1:] if len(times) > 1 else times
+
+
 def round_means(run: dict[str, Any], warmup_rounds: int) -> list[float]:
-    return [statistics.fmean(s["step_times"]) for s in _timed(run, warmup_rounds)]
+    return [statistics.fmean(steady(s)) for s in _timed(run, warmup_rounds)]
 
 
 def loss_curve(run: dict[str, Any]) -> list[tuple[int, float, float]]:
@@ -131,8 +144,10 @@ def summarize(
         run = runs[k]
         segs = _timed(run, warmup_rounds)
         means = round_means(run, warmup_rounds)
-        steps = sum(len(s["step_times"]) for s in segs)
-        seconds = sum(sum(s["step_times"]) for s in segs)
+        steps = sum(len(s["step_times"]) for s in segs)  # for the bytes (their counters span the round)
+        steady_steps = sum(len(steady(s)) for s in segs)
+        seconds = sum(sum(steady(s)) for s in segs)
+        items = sum(s["items"] * len(steady(s)) / len(s["step_times"]) for s in segs)
         per_rank_tx = [
             sum(s["tx_bytes"][r] for s in segs) / steps / bytes_sharing for r in range(raw["world_size"])
         ]
@@ -152,8 +167,8 @@ def summarize(
             "iter_time_median": it,
             "iter_time_min": min(means),
             "iter_time_max": max(means),
-            "iter_time_mean": seconds / steps,
-            "throughput": sum(s["items"] for s in segs) / seconds,
+            "iter_time_mean": seconds / steady_steps,
+            "throughput": items / seconds,
             "bytes_sent_per_rank_step": statistics.fmean(per_rank_tx),
             "bytes_received_per_rank_step": statistics.fmean(per_rank_rx),
             "compute_time": compute,

@@ -152,11 +152,13 @@ def legend(summary: dict[str, Any], unit: str, *, target_given: bool, shaped: bo
     items = [
         ("strategy", "as typed with -s; options not typed take their defaults (results.json has them all)"),
         ("iter ms", "the job's pace per training step: step k ends when the last rank ends it; median of "
-                    "the timed rounds' means [min-max]"),
+                    "the timed rounds' means [min-max], each round without its first step (the steady "
+                    "state: it follows a synchronize, with nothing of an earlier step in flight)"),
         ("speed-up vs B", "B's iteration time / this strategy's (> 1: faster than B)"),
         (f"{unit}/s", f"{unit} of all ranks trained per second"),
         ("sent, received /rank/step", "bytes through a rank's link per step (the kernel's counters, "
-                                      "headers included; unshaped loopback: all ranks' bytes / ranks)"),
+                                      "headers included, synchronize() at the round's end too; "
+                                      "unshaped loopback: all ranks' bytes / ranks)"),
         ("compute ms", "the same step without any communication (the compute-only run)"),
         ("comm not overlapped ms", "iter ms - compute ms (>= 0)"),
         ("bound ms", "the fastest a step could be: max(compute ms, the busiest link's time for its bytes)"
