@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import statistics
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +142,15 @@ def analyse(rows: dict[str, Any], args: argparse.Namespace, size: int, n_machine
     return {"points": pts, "fit": fits, "crossover_density": cross}
 
 
+def title_of(res: dict[str, Any]) -> str:
+    """Two lines: the table and the ranks, then the testbed (long for two-tier layouts)."""
+    head = (
+        f"embedding gradient of {res['table_bytes'] / 1e6:g} MB, N={res['world_size']} "
+        f"on {res['machines']} machines"
+    )
+    return head + "\n" + textwrap.fill(str(res["testbed"]), 90)
+
+
 def plot(res: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
 
@@ -196,7 +206,13 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=str(DEFAULT_OUT))
     p.add_argument("--quick", action="store_true", help="loopback, 2 ranks, 1 MB, 3 densities, 1 round")
+    p.add_argument("--replot", metavar="JSON", help="redraw the plot of a saved embedding_sync.json and exit")
     args = p.parse_args()
+    if args.replot:
+        saved = Path(args.replot)
+        res = json.loads(saved.read_text())
+        plot(res, saved.with_suffix(".png"), title_of(res))
+        return
     if args.quick:
         args.world_size, args.rate, args.mode, args.table = 2, "none", "loopback", "1MB"
         args.densities, args.rounds, args.reps = "0.01,0.1,1", 1, 2
@@ -222,10 +238,7 @@ def main() -> None:
         "rows": table_rows(size, args.dim), "partition": args.partition, "rounds": args.rounds, "reps": args.reps,
     })  # fmt: skip
     (out / "embedding_sync.json").write_text(json.dumps(res, indent=1))
-    title = (
-        f"embedding gradient of {args.table}, N={args.world_size} on {machines} machines, {bench['testbed']}"
-    )
-    plot(res, out / "embedding_sync.png", title)
+    plot(res, out / "embedding_sync.png", title_of(res))
     f = res["fit"]["table2_bytes"]
     print(f"fitted link: {f['bandwidth_mbit']:.1f} Mbit/s, latency {f['latency_s'] * 1e3:.3f} ms")
     for key, fit in res["fit"].items():

@@ -189,6 +189,22 @@ def test_options_are_checked() -> None:
     assert issubclass(InvalidArgumentError, Exception)
 
 
+def test_lookahead_is_checked() -> None:
+    """lookahead names only tables; the next call must be on the prefetched ids (every rank raises)."""
+
+    def fn() -> None:
+        s = make_strategy("embrace", Net(), make_optimizer("sgd"), schedule="horizontal")  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgumentError, match=r"lookahead ids for \['nope'\].*tables: \['emb'\]"):
+            s.lookahead({"nope": torch.zeros(2, 3, dtype=torch.long)})
+        r = lowband.rank()
+        s.lookahead({"emb": batch(r, 0)[0]})
+        with pytest.raises(InvalidArgumentError, match="other than the ones prefetched"):
+            b = batch(r, 1)
+            s.train_step(lambda m: loss(m, b))
+
+    run_threads(fn, 2, timeout=60)
+
+
 COMM_TIMEOUT = 3.0
 
 

@@ -126,7 +126,11 @@ class EmbraceStrategy(Strategy):
         shard_opt = make_optimizer([t.weight for t in self.tables.values()])
         lazy = schedule in ("vertical", "2d")
         self.table_optimizer = lazy_optimizer(shard_opt, where=where) if lazy else shard_opt
-        self.executor = Executor(offload=True, timeout=timeout, where=f"embrace-comm on rank {group.rank}") if overlap else None
+        self.executor = (
+            Executor(offload=True, timeout=timeout, where=f"embrace-comm on rank {group.rank}")
+            if overlap
+            else None
+        )
         self.vertical = (
             VerticalSchedule(self.tables, self.table_optimizer, 1.0 / group.size, self.executor)
             if lazy
