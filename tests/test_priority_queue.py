@@ -21,7 +21,7 @@ from lowband.testing import RankFailures, run_threads
 def _reduce(key: int, rnd: int) -> Handle[torch.Tensor]:
     """An allreduce named by the key: a collective issued in another order on two ranks would mismatch."""
     t = torch.tensor([float(key + 10 * rnd + lowband.rank())], dtype=torch.float64)
-    return lowband.iallreduce(t, "sum", name=f"k{key}")
+    return lowband.iallreduce(t, "sum", name=f"k{key}", group=lowband.world().unchecked())
 
 
 @pytest.mark.parametrize("n", (1, 2, 3, 4))

@@ -8,7 +8,9 @@ thread does, with priorities. In each cycle it waits until this rank has a task 
 (min) a mask of the round's tasks ready here over the group, so every rank learns the same set of tasks
 ready on every rank, and runs the one of highest priority (lowest key): issues its communication and
 waits for it (bounded), then the next cycle. One task at a time: a task submitted later with a higher
-priority overtakes every task not started yet.
+priority overtakes every task not started yet. A negotiation that agrees on nothing (the ranks hold
+disjoint tasks) is repeated once a new task arrives here, or at once when every task of the round is
+here (with three ranks or more, the one holding all must join the others' next negotiation).
 
 A *round* is keys ``0 .. n-1`` (priority order), each submitted once (:meth:`NegotiatedQueue.submit`,
 e.g. from backward hooks, in any order); the next round begins when all ``n`` have run. Each rank's
@@ -130,8 +132,12 @@ class NegotiatedQueue:
         try:
             while True:
                 with self._cond:
+                    # after a negotiation that agreed on nothing, wait for a new task here, unless
+                    # every key of the round is here (with 3+ ranks, this rank may hold all while the
+                    # others hold disjoint ones: it must join their next negotiation)
                     while not self._closed and (
-                        not any(not self._done[k] for k in self._tasks) or len(self._tasks) == seen
+                        not any(not self._done[k] for k in self._tasks)
+                        or (len(self._tasks) == seen and len(self._tasks) < self.n)
                     ):
                         self._cond.wait()
                     if self._closed:
@@ -141,7 +147,7 @@ class NegotiatedQueue:
                 agreed = allreduce(mask, "min", name=f"{self.where}:negotiate", group=self.group)
                 self.negotiations += 1
                 keys = agreed.nonzero().flatten().tolist()
-                if not keys:  # nothing ready everywhere yet: renegotiate after this rank's next submission
+                if not keys:  # nothing ready everywhere yet: renegotiate after a new task here (above)
                     self.empty_negotiations += 1
                     seen = submitted
                     continue
