@@ -28,12 +28,14 @@ of earlier layers still runs; BlueFog's Adapt-Then-Combine starts a layer's neig
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -43,6 +45,7 @@ from lowband.optim.stage import GradientStage
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LayerCallback = Callable[[int], None]
+T = TypeVar("T")
 
 
 def parameter_layers(model: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
@@ -59,6 +62,34 @@ def parameter_layers(model: nn.Module) -> list[tuple[str, list[nn.Parameter]]]:
         if params:
             layers.append((name or "<root>", params))
     return layers
+
+
+def layer_pre_hooks(
+    model: nn.Module,
+    layers: Sequence[tuple[str, Sequence[nn.Parameter]]],
+    owner: T,
+    on_layer: Callable[[T, int], None],
+) -> list[RemovableHandle]:
+    """Forward pre-hooks on every module of ``model`` owning parameters of ``layers``: before the module
+    runs, ``on_layer(owner, i)`` for each layer ``i`` it owns parameters of (ascending), so a layer can
+    be completed just before its next forward reads it. The hooks hold ``owner`` weakly (a strong
+    reference would make a cycle through the modules' hooks that keeps ``owner`` alive)."""
+    index = {id(p): i for i, (_, ps) in enumerate(layers) for p in ps}
+    ref = weakref.ref(owner)
+    handles = []
+    for mod in model.modules():
+        mine = sorted({index[id(p)] for p in mod.parameters(recurse=False) if id(p) in index})
+        if not mine:
+            continue
+
+        def hook(_m: nn.Module, _a: tuple[Any, ...], keys: list[int] = mine) -> None:
+            me = ref()
+            if me is not None:
+                for i in keys:
+                    on_layer(me, i)
+
+        handles.append(mod.register_forward_pre_hook(hook))
+    return handles
 
 
 class LayerwiseOptimizer(torch.optim.Optimizer):

@@ -18,7 +18,6 @@ a parameter shared by two modules belongs to the first that registers it.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -29,7 +28,7 @@ from lowband.comm.handle import Handle
 from lowband.comm.initial import broadcast_initial_state
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
+from lowband.optim.layerwise import LayerwiseOptimizer, layer_pre_hooks, parameter_layers
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 
@@ -72,21 +71,7 @@ class DensePriorityStrategy(Strategy):
         lw.remove_hooks()
         self.lw = lw
         self._pending: dict[int, Handle[list[Tensor]]] = {}
-        owners = {id(p): i for i, (_, ps) in enumerate(self.layers) for p in ps}
-        ref = weakref.ref(self)
-        self._hooks = []
-        for mod in model.modules():
-            mine = sorted({owners[id(p)] for p in mod.parameters(recurse=False) if id(p) in owners})
-            if not mine:
-                continue
-
-            def hook(_m: nn.Module, _a: tuple[Any, ...], keys: list[int] = mine) -> None:
-                me = ref()
-                if me is not None:
-                    for i in keys:
-                        me._finish(i)
-
-            self._hooks.append(mod.register_forward_pre_hook(hook))
+        self._hooks = layer_pre_hooks(model, self.layers, self, DensePriorityStrategy._finish)
         super().__init__(model, lw, group)
 
     def _finish(self, i: int) -> None:

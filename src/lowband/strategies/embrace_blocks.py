@@ -18,14 +18,11 @@ The updates are the ones a synchronous step would make, each applied before its 
 
 from __future__ import annotations
 
-import weakref
-from typing import Any
-
 from torch import nn
 
 from lowband.comm.priority import NegotiatedQueue
 from lowband.group import Group
-from lowband.optim.layerwise import LayerwiseOptimizer
+from lowband.optim.layerwise import LayerwiseOptimizer, layer_pre_hooks
 from lowband.optim.reducer import AllreduceReducer, PriorityReducer, layer_units, parameter_names
 from lowband.optim.stage import GradientStage
 from lowband.strategies.base import OptimizerFactory
@@ -57,21 +54,7 @@ class BlockSchedule:
             units, PriorityReducer(AllreduceReducer(), self.queue, units), group=group, where=where
         )
         self.due: set[int] = set()  # layers reduced (or in flight) and not stepped yet
-        owner = {id(p): i for i, (_, ps) in enumerate(layers) for p in ps}
-        ref = weakref.ref(self)
-        self._hooks = []
-        for mod in model.modules():
-            mine = sorted({owner[id(p)] for p in mod.parameters(recurse=False) if id(p) in owner})
-            if not mine:
-                continue
-
-            def hook(_m: nn.Module, _a: tuple[Any, ...], keys: list[int] = mine) -> None:
-                me = ref()
-                if me is not None:
-                    for i in keys:
-                        me.finish(i)
-
-            self._hooks.append(mod.register_forward_pre_hook(hook))
+        self._hooks = layer_pre_hooks(model, layers, self, BlockSchedule.finish)
 
     def end_step(self) -> None:
         """The step of the dense layers: each is now due, stepped when its reduction is needed."""
