@@ -27,7 +27,7 @@ from lowband.comm.gather import iallgather
 from lowband.comm.handle import Handle
 from lowband.compress.base import CompressContext, Payload
 from lowband.compress.reducer import TRANSPORTS, CompressedReducer
-from lowband.compress.wire import DTYPES, framed, from_bytes, header_bytes, to_bytes, unframe
+from lowband.compress.wire import DTYPES, framed, from_bytes, header_bytes, payload_device, to_bytes, unframe
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import Unit
@@ -55,9 +55,18 @@ def average_decodes(
     return acc.div_(n) if n > 1 else acc
 
 
-def wire_bytes(payload: Payload, fixed: bool) -> Tensor:
-    """The payload's bytes as they travel: bare for a fixed-size compressor, framed otherwise."""
-    return to_bytes(payload.data) if fixed else framed(payload)
+def data_device(payload: Payload, unit: Unit) -> torch.device:
+    """Where a payload's bytes live: its tensors' device; for a payload of no tensors, the unit's
+    parameters' (the device the gradient stage reduces on), else the CPU."""
+    if payload.data:
+        return payload.data[0].device
+    return payload_device(unit.params[:1])
+
+
+def wire_bytes(payload: Payload, fixed: bool, device: torch.device | None = None) -> Tensor:
+    """The payload's bytes as they travel: bare for a fixed-size compressor, framed otherwise; on the
+    payload's device (``device`` when it has no tensors)."""
+    return to_bytes(payload.data, device) if fixed else framed(payload, device)
 
 
 def read_payload(buf: Tensor, like: Payload, fixed: bool) -> Payload:
@@ -77,6 +86,7 @@ def split_frames(buf: Tensor, count: int) -> list[Tensor]:
             raise InvalidArgumentError(
                 f"lowband compress wire: {buf.numel()} bytes end inside the header of payload {len(out)}"
             )
+        # headers are read on the host: the frame sizes that split the buffer must be known there
         k = int(buf[pos : pos + 8].clone().view(torch.int64)[0])
         hb = header_bytes(k)
         if k < 0 or buf.numel() < pos + hb:
@@ -89,7 +99,7 @@ def split_frames(buf: Tensor, count: int) -> list[Tensor]:
             code, count_i = head[1 + 2 * i], head[2 + 2 * i]
             if not 0 <= code < len(DTYPES) or count_i < 0:
                 raise InvalidArgumentError(f"lowband compress wire: a corrupt header in payload {len(out)}")
-            size += count_i * torch.empty(0, dtype=DTYPES[code]).element_size()
+            size += count_i * DTYPES[code].itemsize
         if buf.numel() < pos + size:
             raise InvalidArgumentError(
                 f"lowband compress wire: {buf.numel()} bytes end inside payload {len(out)} ({size} bytes at {pos})"
@@ -122,7 +132,7 @@ class AllgatherCompressedReducer(CompressedReducer):
     def exchange(self, payload: Payload, cctx: CompressContext, unit: Unit, group: Group) -> Handle[Tensor]:
         n = group.size
         fixed = self.compressor.fixed_size
-        buf = wire_bytes(payload, fixed)
+        buf = wire_bytes(payload, fixed, data_device(payload, unit))
         ctxs = [rank_context(cctx, q) for q in range(n)]
         if fixed:
             m = buf.numel()

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from lowband.compress.finite import check_finite
 from lowband.errors import InvalidArgumentError
 from lowband.registry import Registry
 from lowband.registry import parse_spec as registry_parse_spec
@@ -115,20 +116,20 @@ class Compressor(abc.ABC):
 
 
 def check_input(c: Compressor, x: object, ctx: CompressContext) -> Tensor:
-    """The argument check every compressor runs first: a 1-D floating-point tensor of finite values."""
-    where = f"lowband compressor {c.name!r} on unit {ctx.name!r} (rank {ctx.rank})"
+    """The argument check every compressor runs first: a 1-D floating-point tensor of finite values.
+
+    Finiteness is checked at once for a CPU tensor; on an accelerator it is checked without a host
+    synchronisation and reported when the device's flag has landed (typically one reduction later);
+    ``LOWBAND_CHECK_FINITE=sync|off`` changes that (:mod:`lowband.compress.finite`)."""
+    where = f"lowband compressor {c.name!r} on unit {ctx.name!r} (rank {ctx.rank}) at step {ctx.step}"
     if not isinstance(x, Tensor):
         raise InvalidArgumentError(f"{where}: expected a tensor, got {type(x).__name__}")
     if x.dim() != 1 or not x.is_floating_point():
         raise InvalidArgumentError(
             f"{where}: expected a flat (1-D) floating-point tensor, got shape {tuple(x.shape)} dtype {x.dtype}"
         )
-    if x.numel() and not bool(torch.isfinite(x).all()):
-        bad = int((~torch.isfinite(x)).nonzero()[0])
-        raise InvalidArgumentError(
-            f"{where}: the gradient holds a non-finite value ({float(x[bad])} at element {bad} of "
-            f"{x.numel()}); compression would spread it"
-        )
+    if x.numel():
+        check_finite(where, x)
     return x
 
 

@@ -150,14 +150,18 @@ class DGC(Compressor):
         stride, n_samples = sample_plan(d, rho, self.sample_ratio)
         if n_samples == d:
             return topk_indices(imp, k)
+        # the sample is drawn on the CPU (moved once): the stream does not depend on the device; the
+        # strided start is a host integer (a CPU draw, no device synchronisation)
         g = ctx.generator(shared=False)
         if self.strided:
-            start = int(torch.randint(0, stride, (1,), generator=g))
+            start = int(torch.randint(0, stride, (1,), generator=g, device="cpu"))
             samples = imp[start::stride]
         else:
-            samples = imp[torch.randint(0, d, (n_samples,), generator=g).to(v.device)]
+            samples = imp[torch.randint(0, d, (n_samples,), generator=g, device="cpu").to(v.device)]
         top = min(samples.numel(), math.ceil(n_samples * rho))
         threshold = torch.topk(samples, top, sorted=False).values.min()
+        # the selection's size is data-dependent and steers the adaptation below and the payload's size:
+        # it must be known on the host (one synchronisation per try)
         idx = (imp >= threshold).nonzero().view(-1)
         for _ in range(self.max_adapt):
             if idx.numel() > k:
@@ -184,9 +188,7 @@ class DGC(Compressor):
 
     def nbytes(self, k: int, d: int, dtype: torch.dtype) -> int:
         """The payload's size when ``k`` of ``d`` elements of ``dtype`` are sent."""
-        return k * (
-            torch.empty(0, dtype=index_dtype(d)).element_size() + torch.empty(0, dtype=dtype).element_size()
-        )
+        return k * (index_dtype(d).itemsize + dtype.itemsize)
 
     def options(self) -> dict[str, Any]:
         opts: dict[str, Any] = {
@@ -253,8 +255,9 @@ class DGCMemory(Memory):
         """``g`` scaled to an L2 norm of at most ``clip_norm`` (as torch's ``clip_grad_norm_``)."""
         if self.clip_norm is None:
             return g
-        coef = self.clip_norm / (float(g.norm()) + 1e-6)
-        return g * coef if coef < 1 else g
+        # as clip_grad_norm_: the coefficient clamped on the device, no host synchronisation
+        coef: Tensor = (self.clip_norm / (g.norm().double() + 1e-6)).clamp_(max=1.0)
+        return g * coef.to(g.dtype)
 
     def compensate(self, segments: Segments, x: Tensor) -> Tensor:
         check_segments("DGCMemory.compensate", segments, x)

@@ -139,7 +139,7 @@ class SketchingReducer(SparseUpdateReducer):
         if self.recovery == "topk":
             return topk_indices(est, m)
         gen = CompressContext(unit.key, step, 0, self.seed).generator(shared=True)
-        return heavymix(est, sk.norm_sq(table), m, gen)
+        return heavymix(est, sk.norm_sq_tensor(table), m, gen)
 
     def options(self) -> dict[str, Any]:
         return {
@@ -255,7 +255,7 @@ class SketchedSGDReducer(SketchingReducer):
             idx = self.recover(sk, summed, m, unit, ctx.step).to(wire)
             self.add_decode(time.perf_counter() - t0)
         else:
-            idx = torch.empty(m, dtype=wire)
+            idx = st.p.new_empty(m, dtype=wire)  # the broadcast's buffer, on the data's device
         idx = ibroadcast(idx, 0, inplace=True, name=unit.key, group=g).wait().long()
         vals = itree([st.p[idx]], star_schedule(g.size), name=unit.key, group=g).wait()[0]
         if m > st.k:

@@ -37,18 +37,22 @@ def topk_indices(x: Tensor, k: int) -> Tensor:
     return sparse.topk_indices(x.abs(), k)
 
 
-def heavymix(est: Tensor, norm_sq: float, k: int, generator: torch.Generator) -> Tensor:
-    """HEAVYMIX's ``min(k, d)`` indices (ascending) from the estimates; see the module docstring."""
+def heavymix(est: Tensor, norm_sq: float | Tensor, k: int, generator: torch.Generator) -> Tensor:
+    """HEAVYMIX's ``min(k, d)`` indices (ascending) from the estimates; see the module docstring.
+    ``norm_sq`` may be a 0-dim tensor on ``est``'s device; ``generator`` is a CPU generator (the fill
+    is drawn on the CPU and moved, so the choice does not depend on the device)."""
     d = est.numel()
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InvalidArgumentError(f"heavymix: k must be an int >= 1, got {k!r}")
     k = min(k, d)
     is_heavy = est.double().square() >= norm_sq / k
+    # the size of the heavy set decides the fill: it must be known on the host (a synchronisation)
     heavy = is_heavy.nonzero().view(-1)
     if heavy.numel() >= k:
         return heavy[topk_indices(est[heavy], k)]
     rest = (~is_heavy).nonzero().view(-1)
-    fill = rest[torch.randperm(rest.numel(), generator=generator)[: k - heavy.numel()]]
+    pick = torch.randperm(rest.numel(), generator=generator, device="cpu")[: k - heavy.numel()]
+    fill = rest[pick.to(rest.device)]
     return torch.cat([heavy, fill]).sort().values
 
 
@@ -75,9 +79,10 @@ def merge_topk(
     """gTop-k's merge of two sparse vectors: sum them (union of indices), keep the ``k`` entries of
     largest magnitude (ties: the smaller index). Returns ``(idx, val, dropped_idx, dropped_val)``,
     indices ascending; the dropped entries are the partial sums the merge did not keep."""
+    # a union of data-dependent size: unique and the masks below synchronise with the host on a device
     u, inv = torch.unique(torch.cat([ia, ib]), return_inverse=True)
-    s = torch.zeros(u.numel(), dtype=va.dtype).index_add_(0, inv, torch.cat([va, vb]))
+    s = va.new_zeros(u.numel()).index_add_(0, inv, torch.cat([va, vb]))
     keep = topk_indices(s, k)
-    mask = torch.zeros(u.numel(), dtype=torch.bool)
+    mask = torch.zeros(u.numel(), dtype=torch.bool, device=u.device)
     mask[keep] = True
     return u[mask], s[mask], u[~mask], s[~mask]

@@ -292,9 +292,10 @@ class PowerSGDReducer(CompressedReducer):
         fresh = not self.warm_start or unit.names not in self.seen or any(nm not in self.q for nm in names)
         self.seen.add(unit.names)
         if fresh:
-            g = torch.Generator().manual_seed(int(self.rng.randint(1_000_000_000)))
+            # drawn on the CPU and copied to the device, as torch's hook does: the same Q on any device
+            g = torch.Generator(device="cpu").manual_seed(int(self.rng.randint(1_000_000_000)))
             for q in qs:
-                q.copy_(torch.randn(*q.shape, generator=g, dtype=x.dtype).to(x.device))
+                q.copy_(torch.randn(*q.shape, generator=g, dtype=x.dtype, device="cpu"))
                 orthogonalize(q, self.epsilon)
         else:
             for grp, q in zip(plan["batch_names"], qs):

@@ -39,7 +39,7 @@ import torch
 
 from lowband.comm.gather import iallgather, ialltoall
 from lowband.comm.handle import Handle
-from lowband.compress.allgather import average_decodes, rank_context, read_payload, wire_bytes
+from lowband.compress.allgather import average_decodes, data_device, rank_context, read_payload, wire_bytes
 from lowband.compress.base import CompressContext, Payload
 from lowband.compress.memory import Segments
 from lowband.compress.reducer import TRANSPORTS, CompressedReducer
@@ -190,7 +190,8 @@ class PSCompressedReducer(CompressedReducer):
         """Phase one, waited for: every shard's payloads to its owner; this rank's shard averaged."""
         n, me = group.size, group.rank
         fixed = self.compressor.fixed_size
-        bufs = [wire_bytes(pl, fixed) for pl in sp.shards]
+        dev = data_device(sp, unit)  # a shard's payload of no tensors travels with the others
+        bufs = [wire_bytes(pl, fixed, dev) for pl in sp.shards]
         splits = [b.numel() for b in bufs]
         send = torch.cat(bufs)
         recv = [splits[me]] * n if fixed else None

@@ -13,6 +13,10 @@ generator draws the same numbers on every process, thread count and machine; :me
 summarises the tables (a crc of their sizes and of a strided sample) so that a transport can agree on it
 across ranks once, at construction (:func:`lowband.comm.agree`).
 
+Devices. The tables are drawn on the CPU (the generator's stream, hence the tables, are then the same
+on every rank whatever its device) and kept there (the checksum reads them); :meth:`CountSketch.tables`
+moves them once to each device a vector comes on, and every table and estimate is on its input's device.
+
 Medians. With an even number of rows the estimate is the lower of the two middle values (as ``torch.median``);
 the default of the sketched reducers is 5 rows.
 """
@@ -68,10 +72,23 @@ class CountSketch:
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise InvalidArgumentError(f"{where}: seed must be an int, got {seed!r}")
         self.seed = seed
-        g = torch.Generator()
+        g = torch.Generator(device="cpu")
         g.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-        self.buckets = torch.randint(0, cols, (rows, d), generator=g, dtype=torch.int32)
-        self.signs = torch.randint(0, 2, (rows, d), generator=g, dtype=torch.int8).mul_(2).sub_(1)
+        # drawn on the CPU: device-independent tables (module docstring); copies per device in _on
+        self.buckets = torch.randint(0, cols, (rows, d), generator=g, dtype=torch.int32, device="cpu")
+        self.signs = (
+            torch.randint(0, 2, (rows, d), generator=g, dtype=torch.int8, device="cpu").mul_(2).sub_(1)
+        )
+        self._on: dict[torch.device, tuple[Tensor, Tensor]] = {
+            self.buckets.device: (self.buckets, self.signs)
+        }
+
+    def tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """``(buckets, signs)`` on ``device`` (moved there the first time)."""
+        got = self._on.get(device)
+        if got is None:
+            got = self._on[device] = (self.buckets.to(device), self.signs.to(device))
+        return got
 
     @property
     def numel(self) -> int:
@@ -93,9 +110,9 @@ class CountSketch:
             )
         return x
 
-    def zeros(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """An empty table, ``(rows, cols)``."""
-        return torch.zeros(self.rows, self.cols, dtype=dtype)
+    def zeros(self, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Tensor:
+        """An empty table, ``(rows, cols)``, on ``device``."""
+        return torch.zeros(self.rows, self.cols, dtype=dtype, device=device)
 
     def accumulate(self, table: Tensor, x: Tensor) -> Tensor:
         """Add the sketch of ``x`` into ``table`` (in place) and return it."""
@@ -105,32 +122,40 @@ class CountSketch:
                 f"CountSketch.accumulate: table must be ({self.rows}, {self.cols}) of {x.dtype}, got "
                 f"{tuple(table.shape)} of {table.dtype}"
             )
+        if table.device != x.device:
+            raise InvalidArgumentError(
+                f"CountSketch.accumulate: table on {table.device}, vector on {x.device}"
+            )
+        buckets, signs = self.tables(x.device)
         for j in range(self.rows):  # a handful of rows; each row is one vectorised scatter-add
-            table[j].index_add_(0, self.buckets[j], x * self.signs[j])
+            table[j].index_add_(0, buckets[j], x * signs[j])
         return table
 
     def sketch(self, x: Tensor) -> Tensor:
         """The sketch of ``x``: a new ``(rows, cols)`` table of ``x``'s dtype."""
         x = self._check("sketch", x)
-        return self.accumulate(self.zeros(x.dtype), x)
+        return self.accumulate(self.zeros(x.dtype, x.device), x)
 
     def row_estimates(self, table: Tensor) -> Tensor:
         """``(rows, d)``: every row's estimate of every coordinate (each one unbiased)."""
-        return torch.stack(
-            [table[j].index_select(0, self.buckets[j]) * self.signs[j] for j in range(self.rows)]
-        )
+        buckets, signs = self.tables(table.device)
+        return torch.stack([table[j].index_select(0, buckets[j]) * signs[j] for j in range(self.rows)])
 
     def estimate(self, table: Tensor) -> Tensor:
         """The estimate of every coordinate: the median over rows (``d`` values)."""
-        rows = [table[j].index_select(0, self.buckets[j]) * self.signs[j] for j in range(self.rows)]
+        buckets, signs = self.tables(table.device)
+        rows = [table[j].index_select(0, buckets[j]) * signs[j] for j in range(self.rows)]
         if self.rows <= _NETWORK_ROWS:
             return lower_median(rows)
         return torch.stack(rows).median(dim=0).values
 
     def norm_sq(self, table: Tensor) -> float:
         """The estimate of ``||x||^2``: the median over rows of each row's sum of squares."""
-        per_row = table.double().pow(2).sum(dim=1)
-        return float(per_row.median())
+        return float(self.norm_sq_tensor(table))
+
+    def norm_sq_tensor(self, table: Tensor) -> Tensor:
+        """:meth:`norm_sq` as a 0-dim float64 tensor on the table's device (no host synchronisation)."""
+        return table.double().pow(2).sum(dim=1).median()
 
     def __repr__(self) -> str:
         return f"CountSketch(d={self.d}, rows={self.rows}, cols={self.cols}, seed={self.seed})"

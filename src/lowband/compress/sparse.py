@@ -67,9 +67,12 @@ def topk_indices(a: Tensor, k: int) -> Tensor:
     if k >= d:
         return torch.arange(d, device=a.device)
     kth = torch.topk(a, k, sorted=False).values.min()
-    above = (a > kth).nonzero().view(-1)
-    ties = (a == kth).nonzero().view(-1)[: k - above.numel()]
-    return torch.cat([above, ties]).sort().values
+    above = a > kth
+    ties = a == kth
+    # the first (k - |above|) ties, counted on the device: exactly k selected, so a nonzero of known
+    # size (no host synchronisation), already ascending
+    chosen = above | (ties & (ties.cumsum(0) <= k - above.sum()))
+    return torch.nonzero_static(chosen, size=k).view(-1)
 
 
 def scatter(values: Tensor, indices: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
@@ -118,8 +121,7 @@ class TopK(_Sparsifier):
 
     def nbytes(self, d: int, dtype: torch.dtype) -> int:
         """The payload's size for a unit of ``d`` elements of ``dtype``."""
-        isize = torch.empty(0, dtype=index_dtype(d)).element_size()
-        return self.count(d) * (isize + torch.empty(0, dtype=dtype).element_size())
+        return self.count(d) * (index_dtype(d).itemsize + dtype.itemsize)
 
 
 @register_compressor("randomk", "k coordinates from a shared seed (ratio= or k=, scale=): values only")
@@ -136,21 +138,24 @@ class RandomK(_Sparsifier):
         if not isinstance(scale, bool):
             raise InvalidArgumentError(f"RandomK: scale must be a bool, got {scale!r}")
         self.scale = scale
-        self._last: tuple[tuple[int, int, str, int], Tensor] | None = None
+        self._last: tuple[tuple[int, int, str, int, torch.device], Tensor] | None = None
 
     def indices(self, d: int, ctx: CompressContext, device: torch.device | str = "cpu") -> Tensor:
-        """The step's coordinates for a unit of ``d`` elements (ascending, int64): the same on every rank."""
+        """The step's coordinates for a unit of ``d`` elements (ascending, int64, on ``device``): the
+        same on every rank. They are drawn on the CPU and moved once: a CPU generator's stream is the
+        same on every machine, so the coordinates do not depend on the device a rank computes on."""
         k = self.count(d)
+        dev = torch.device(device)
         if k == 0:
-            return torch.empty(0, dtype=torch.int64, device=device)
-        key = (ctx.seed, ctx.step, ctx.name, d)
+            return torch.empty(0, dtype=torch.int64, device=dev)
+        key = (ctx.seed, ctx.step, ctx.name, d, dev)
         cached = self._last  # the draw of the last compress, reused by its decompress
         if cached is not None and cached[0] == key:
-            return cached[1].to(device)
+            return cached[1]
         g = ctx.generator(shared=True)
-        idx = torch.randperm(d, generator=g)[:k].sort().values
+        idx = torch.randperm(d, generator=g, device="cpu")[:k].sort().values.to(dev)
         self._last = (key, idx)
-        return idx.to(device)
+        return idx
 
     def compress(self, x: Tensor, ctx: CompressContext) -> Payload:
         x = check_input(self, x, ctx)
@@ -167,7 +172,7 @@ class RandomK(_Sparsifier):
 
     def nbytes(self, d: int, dtype: torch.dtype) -> int:
         """The payload's size for a unit of ``d`` elements of ``dtype``."""
-        return self.count(d) * torch.empty(0, dtype=dtype).element_size()
+        return self.count(d) * dtype.itemsize
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "scale": self.scale}

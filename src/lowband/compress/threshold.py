@@ -54,7 +54,7 @@ Tensor = torch.Tensor
 
 def _float32(value: float) -> float:
     """``value`` rounded to float32 (MXNet's thresholds are C floats)."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    return float(torch.tensor(value, dtype=torch.float32, device="cpu"))  # a host value
 
 
 def _number(where: str, name: str, value: object, *, positive: bool) -> float:

@@ -134,9 +134,9 @@ class TwoStageCompressedReducer(PSCompressedReducer):
                 self.server.update(segs, c, self.compressor.decompress(spay, sctx))
         self.timings.compress_s += time.perf_counter() - t0
         fixed = self.compressor.fixed_size
-        buf = wire_bytes(spay, fixed)
+        buf = wire_bytes(spay, fixed, c.device)
         if fixed:  # chunk j's server payload has the layout of any payload of chunk j's size
-            sizes = [wire_bytes(pl, True).numel() for pl in sp.shards]
+            sizes = [pl.nbytes for pl in sp.shards]
             h = iallgather(buf, sizes=sizes, name=unit.key, group=group)
         else:
             h = iallgather(buf, name=unit.key, group=group)

@@ -122,6 +122,8 @@ class SlimGCReducer(Reducer):
         self.mask = compress_mask(self.sizes, threshold) if threshold is not None else []
         self._rounds: dict[int, _Round] = {}
         self._decision_due = threshold is None  # read and written on the training thread only
+        #: the data's device (the units' parameters'): the decision's collectives run on the data group
+        self.device = next((p.device for u in self.units for p in u.params), torch.device("cpu"))
         #: seconds the training thread waited for rounds (non-overlapped communication and compression)
         self.wait_s = 0.0
 
@@ -236,15 +238,20 @@ class SlimGCReducer(Reducer):
         """BestCT from every rank's samples, the same on every rank (see the module docstring)."""
         assert self.samples is not None
         comm, comp = self.samples.comm, self.samples.compress
+        # the samples (host bookkeeping) and the code travel on the data group, so on the data's device;
+        # the results come back to the host once (the decision steers host-side control flow)
         if group.size > 1:
-            packed = allreduce(torch.stack([-comm, comp]), "max", name="slimgc-table", group=group)
+            packed = allreduce(
+                torch.stack([-comm, comp]).to(self.device), "max", name="slimgc-table", group=group
+            ).to("cpu")
             comm, comp = -packed[0], packed[1]
         self.table = build_table(self.sizes, comm, comp)
         best = self.table.best_threshold(self.bestct_rule)
-        code = torch.tensor([-1 if math.isinf(best) else int(best)], dtype=torch.int64)
+        code = torch.tensor([-1 if math.isinf(best) else int(best)], dtype=torch.int64, device=self.device)
         if group.size > 1:
             code = broadcast(code, 0, name="slimgc-bestct", group=group)
-        self.set_threshold(INF if int(code) < 0 else float(int(code)))
+        value = int(code.to("cpu")[0])  # once per run: the threshold is a host value
+        self.set_threshold(INF if value < 0 else float(value))
 
     def set_threshold(self, threshold: float) -> None:
         self.threshold = threshold

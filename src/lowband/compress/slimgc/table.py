@@ -140,8 +140,9 @@ class Samples:
             raise InvalidArgumentError(
                 f"Samples: needs at least 2 warm-up steps and 1 unit, got {steps} steps and {units} units"
             )
-        self.comm = torch.zeros(steps, units, dtype=torch.float64)
-        self.compress = torch.zeros(steps, units, dtype=torch.float64)
+        # host bookkeeping (seconds measured on the host): CPU tensors whatever the data's device
+        self.comm = torch.zeros(steps, units, dtype=torch.float64, device="cpu")
+        self.compress = torch.zeros(steps, units, dtype=torch.float64, device="cpu")
 
     def add(self, step: int, unit: int, comm: float, compress: float) -> None:
         self.comm[step, unit] = comm
@@ -157,8 +158,8 @@ class Samples:
                 f"Samples.load_state_dict: expected 'comm' and 'compress' tensors of shape "
                 f"{tuple(self.comm.shape)} (pre_steps, units)"
             )
-        self.comm = comm.to(torch.float64).clone()
-        self.compress = comp.to(torch.float64).clone()
+        self.comm = comm.to(device="cpu", dtype=torch.float64).clone()
+        self.compress = comp.to(device="cpu", dtype=torch.float64).clone()
 
 
 def build_table(sizes: Sequence[int], comm: Tensor, compress: Tensor) -> ThresholdTable:
@@ -171,13 +172,13 @@ def build_table(sizes: Sequence[int], comm: Tensor, compress: Tensor) -> Thresho
             f"build_table: {len(sizes)} sizes, samples of shapes {tuple(comm.shape)} and "
             f"{tuple(compress.shape)} (need [steps >= 2, units])"
         )
-    q = torch.tensor([compressed_step(s) for s in range(steps)])
+    q = torch.tensor([compressed_step(s) for s in range(steps)], device=comm.device)
     t_c = comm[~q].mean(0)
     t_cq = comm[q].mean(0)
     t_pq = compress[q].mean(0)
     rows = []
     for size in sorted(set(sizes)):
-        idx = torch.tensor([i for i, s in enumerate(sizes) if s == size])
+        idx = torch.tensor([i for i, s in enumerate(sizes) if s == size], device=comm.device)
         rows.append(
             Row(
                 int(size),
