@@ -22,12 +22,14 @@ import torch
 from compress_fixtures import buildable
 
 import lowband
-from lowband.compress import COMPRESSORS, TRANSPORTS, Payload, build_reducer
+from lowband.compress import COMPRESSORS, TRANSPORTS, CompressContext, Payload, build_reducer, make_compressor
 from lowband.compress.allgather import split_frames
+from lowband.compress.finite import ENV, raise_pending
 from lowband.compress.gssgd import GsSGDReducer, GTopKReducer, SketchedSGDReducer
 from lowband.compress.heavymix import heavymix, merge_topk
 from lowband.compress.sketch import CountSketch
 from lowband.compress.wire import framed, from_bytes, to_bytes, unframe
+from lowband.errors import InvalidArgumentError
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
 from lowband.testing import run_threads
 
@@ -278,3 +280,40 @@ def test_cuda_countsketch_and_wire() -> None:
     back = unframe(buf, 9, torch.float32).data
     assert all(a.device == b.device and torch.equal(a, b) for a, b in zip(data, back, strict=True))
     assert framed(Payload((), 9, torch.float32), device="cuda").device.type == "cuda"
+
+
+# ------------------------------------------------------------------------ the finiteness check
+
+
+def test_finite_check_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` and ``sync`` raise at once on the CPU naming the element; ``off`` lets the value
+    through; an unknown mode is refused by name."""
+    topk = make_compressor("topk:k=1")
+    x = torch.tensor([1.0, float("nan"), 2.0])
+    for mode in ("auto", "sync"):
+        monkeypatch.setenv(ENV, mode)
+        with pytest.raises(InvalidArgumentError, match=r"'u' \(rank 0\) at step 3.*nan at element 1 of 3"):
+            topk.compress(x, CompressContext("u", 3))
+    monkeypatch.setenv(ENV, "off")
+    assert topk.compress(x, CompressContext("u", 3)).numel == 3
+    monkeypatch.setenv(ENV, "maybe")
+    with pytest.raises(InvalidArgumentError, match=ENV):
+        topk.compress(x, CompressContext("u", 3))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_finite_check_is_asynchronous_and_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the check does not raise inside the compress call; once the device's flag has landed
+    the next check (or raise_pending) raises, naming the unit and step; ``sync`` raises at once."""
+    monkeypatch.setenv(ENV, "auto")
+    c = make_compressor("sign")
+    bad = torch.tensor([1.0, float("inf"), 2.0], device="cuda")
+    c.compress(bad, CompressContext("u", 7))
+    torch.cuda.synchronize()
+    with pytest.raises(InvalidArgumentError, match=r"'u' \(rank 0\) at step 7.*asynchronously"):
+        raise_pending()
+    raise_pending()  # consumed: nothing left
+    monkeypatch.setenv(ENV, "sync")
+    with pytest.raises(InvalidArgumentError, match=r"inf at element 1 of 3"):
+        c.compress(bad, CompressContext("u", 8))
