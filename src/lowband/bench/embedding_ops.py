@@ -21,6 +21,7 @@ Bytes per rank per op: :mod:`lowband.sparse.costs` (``sparse_allgather_bytes``,
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,8 +65,9 @@ def table_rows(size: int, dim: int) -> int:
 def touched_rows(rows: int, density: float, rank: int, which: int, seed: int = 0) -> Tensor:
     """Row set ``which`` of ``rank``: ``round(density * rows)`` distinct rows, increasing."""
     k = round(density * rows)
-    g = torch.Generator().manual_seed(1_000_003 * seed + 7919 * rank + 104_729 * which + 1)
-    return torch.sort(torch.randperm(rows, generator=g)[:k]).values
+    # a CPU generator on purpose: every rank rebuilds every rank's rows, bit for bit on any device
+    g = torch.Generator(device="cpu").manual_seed(1_000_003 * seed + 7919 * rank + 104_729 * which + 1)
+    return torch.sort(torch.randperm(rows, generator=g, device="cpu")[:k]).values
 
 
 @dataclass
@@ -81,7 +83,11 @@ class _Rows:
         if buf.numel() * 4 != self.size or self.sets is None:
             self.size = buf.numel() * 4
             v = table_rows(self.size, self.dim)
-            self.sets = [[touched_rows(v, self.density, q, w) for q in range(n)] for w in range(ROW_SETS)]
+            # drawn on the CPU (the same rows on every rank whatever its device), moved once per size
+            self.sets = [
+                [touched_rows(v, self.density, q, w).to(buf.device) for q in range(n)]
+                for w in range(ROW_SETS)
+            ]
         v = table_rows(self.size, self.dim)
         return buf[: v * self.dim].view(v, self.dim), self.sets[step % ROW_SETS]
 
@@ -107,7 +113,7 @@ def column_exchange(table: Tensor, sets: list[Tensor], group: Group) -> None:
     """The two all-to-alls of a column-partitioned table for ``sets[q]``, the rows of rank ``q``."""
     n, me = group.size, group.rank
     dims = column_split(table.shape[1], n)
-    cols = torch.tensor(dims).cumsum(0).tolist()
+    cols = list(itertools.accumulate(dims))
     starts = [0, *cols[:-1]]
     k = sets[me].numel()
     # lookup results: owner `me` sends rank q its columns of q's rows
@@ -147,7 +153,7 @@ def ps_exchange(table: Tensor, sets: list[Tensor], part: RowPartition, group: Gr
     from_q = [by_owner[q][1][me] for q in range(n)]
     buf, _ = alltoall(pack_rows(mine, table[mine]), counts, recv_splits=from_q, group=group)
     ids, vals = unpack_rows(buf, table.shape[1], table.dtype)
-    server = torch.zeros((part.counts()[me], table.shape[1]), dtype=table.dtype)
+    server = table.new_zeros((part.counts()[me], table.shape[1]))
     local = part.local(ids)
     server.index_add_(0, local, vals)
     alltoall(server[local], from_q, recv_splits=counts, group=group)

@@ -131,6 +131,7 @@ class PartitionedEmbedding(nn.Module):
             emb.sparse,
             _weight=w,
             _freeze=not emb.weight.requires_grad,
+            device=w.device,
             dtype=w.dtype,
             group=group,
             name=name,
@@ -175,17 +176,28 @@ class PartitionedEmbedding(nn.Module):
                 f"PartitionedEmbedding {self.table_name!r} on rank {self.group.rank}: ids must be an int32/int64 "
                 f"tensor, got {getattr(ids, 'dtype', type(ids).__name__)}"
             )
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+        if ids.device != self.weight.device:
             raise InvalidArgumentError(
-                f"PartitionedEmbedding {self.table_name!r} on rank {self.group.rank}: ids must lie in "
-                f"[0, {self.num_embeddings}), got [{int(ids.min())}, {int(ids.max())}]"
+                f"PartitionedEmbedding {self.table_name!r} on rank {self.group.rank}: ids are on {ids.device}, "
+                f"the table on {self.weight.device}: move the ids to the table's device"
             )
+        if ids.numel():
+            # one host sync per call: an id out of range would be a device-side assert on CUDA (which
+            # ruins the process), so the range is read on the host, both ends at once
+            lo, hi = (int(v) for v in torch.stack(torch.aminmax(ids.reshape(-1))).tolist())
+            if lo < 0 or hi >= self.num_embeddings:
+                raise InvalidArgumentError(
+                    f"PartitionedEmbedding {self.table_name!r} on rank {self.group.rank}: ids must lie in "
+                    f"[0, {self.num_embeddings}), got [{lo}, {hi}]"
+                )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_ids(ids)
         issued: Handle[torch.Tensor] | None = None
         if self._prefetched:
             want, plan, issued = self._prefetched.pop(0)
+            # torch.equal reads a bool on the host (a sync on CUDA): the price of never training on
+            # rows prefetched for other ids; the shapes are compared first, for free
             if want.shape != ids.shape or not torch.equal(want, ids.to(want.dtype)):
                 issued.wait()
                 raise InvalidArgumentError(
@@ -203,7 +215,7 @@ class PartitionedEmbedding(nn.Module):
     def grad_masks(self, plan: LookupPlan) -> list[torch.Tensor]:
         """Rows that carry gradient: every unique row but ``padding_idx``."""
         if self.padding_idx is None:
-            return [torch.ones(r.numel(), dtype=torch.bool) for r in plan.rows]
+            return [torch.ones_like(r, dtype=torch.bool) for r in plan.rows]
         return [r != self.padding_idx for r in plan.rows]
 
     @staticmethod

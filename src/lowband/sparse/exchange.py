@@ -33,13 +33,16 @@ class LookupPlan:
 def plan_lookup(ids: torch.Tensor, *, name: str, group: Group) -> LookupPlan:
     """Collective: gathers every rank's ids (uneven, possibly empty) and derives the unique rows."""
     flat = ids.reshape(-1).to(torch.int64)
-    counts = comm.allgather(torch.tensor([flat.numel()]), name=f"{name}/counts", group=group)
+    # control plane: the counts are host numbers (they size the receive buffer), so they travel as a
+    # CPU tensor (a CPU gloo path on every group lowband makes): no device synchronisation
+    mine = torch.tensor([flat.numel()], dtype=torch.int64, device="cpu")
+    counts = comm.allgather(mine, name=f"{name}/counts", group=group)
     sizes = [int(c) for c in counts.tolist()]
     every = comm.allgather(flat, sizes=sizes, name=f"{name}/ids", group=group)
     rows = []
     pos = 0
-    inverse = torch.zeros(0, dtype=torch.int64)
-    for q, n in enumerate(sizes):
+    inverse = flat.new_zeros(0)
+    for q, n in enumerate(sizes):  # torch.unique sizes its result on the host: one sync per rank's ids
         r, inv = unique_rows(every[pos : pos + n])
         rows.append(r)
         if q == group.rank:
@@ -73,17 +76,22 @@ def iexchange_gradients(
     *,
     name: str,
     group: Group,
+    counts: Sequence[int] | None = None,
 ) -> Handle[list[torch.Tensor]]:
     """Nonblocking: sends the column blocks of this rank's gradient rows (``grad_rows``: one row per
     ``rows[me]``, every column) selected by ``masks[me]`` to their owners; ``wait()`` gives, for every
     rank ``q``, the block ``[masks[q].sum(), width_me]`` of ``q``'s selected rows in this rank's
-    columns. ``masks`` must be the same on every rank."""
+    columns. ``masks`` must be the same on every rank; ``counts`` (``masks[q].sum()`` for every ``q``,
+    :func:`mask_counts`) when the caller has them."""
     me = group.rank
-    picked = grad_rows[masks[me]]
+    if counts is None:
+        counts = mask_counts(masks)
+    n_sel = counts[me]
+    # the rows picked without a further sync: the count is known, so nonzero needs no host round trip
+    at = torch.nonzero_static(masks[me], size=n_sel).view(-1)
+    picked = grad_rows.index_select(0, at)
     send = torch.cat([b.reshape(-1) for b in torch.split_with_sizes(picked, list(widths), dim=1)])
-    n_sel = int(masks[me].sum())
     splits = [n_sel * w for w in widths]
-    counts = [int(m.sum()) for m in masks]
     recv = [c * widths[me] for c in counts]
 
     def blocks(got: tuple[torch.Tensor, list[int]]) -> list[torch.Tensor]:
@@ -94,6 +102,14 @@ def iexchange_gradients(
     return comm.ialltoall(send, splits, recv_splits=recv, name=f"{name}/grad", group=group).map(blocks)
 
 
+def mask_counts(masks: list[torch.Tensor]) -> list[int]:
+    """``masks[q].sum()`` for every ``q``, on the host: one synchronisation for all of them (the counts
+    size the all-to-all's splits, which the host must know)."""
+    if not masks:
+        return []
+    return [int(c) for c in torch.stack([m.sum() for m in masks]).tolist()]
+
+
 def sum_blocks(
     blocks: list[torch.Tensor],
     rows: list[torch.Tensor],
@@ -102,9 +118,15 @@ def sum_blocks(
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The owner's sum of the received blocks: ``(union, values)`` with ``union`` the sorted distinct
-    rows and ``values[k]`` the sum of every block row for ``union[k]``."""
-    union, places = owner_rows([r[m] for r, m in zip(rows, masks, strict=True)])
-    values = torch.zeros((union.numel(), width), dtype=dtype)
+    rows and ``values[k]`` the sum of every block row for ``union[k]`` (on the blocks' device)."""
+    # each block's row count is its mask's count: the rows picked without a host round trip
+    picked = [
+        r.index_select(0, torch.nonzero_static(m, size=b.shape[0]).view(-1))
+        for r, m, b in zip(rows, masks, blocks, strict=True)
+    ]
+    union, places = owner_rows(picked)  # torch.unique sizes the union on the host: one sync
+    device = blocks[0].device if blocks else union.device
+    values = torch.zeros((union.numel(), width), dtype=dtype, device=device)
     for at, b in zip(places, blocks, strict=True):
         values.index_add_(0, at, b)
     return union, values

@@ -56,8 +56,10 @@ def lazy_optimizer(opt: torch.optim.Optimizer, *, where: str) -> torch.optim.Opt
 
 
 def _empty(p: torch.Tensor) -> torch.Tensor:
-    idx = torch.zeros((1, 0), dtype=torch.int64)
-    return torch.sparse_coo_tensor(idx, p.new_zeros((0, *p.shape[1:])), p.shape, check_invariants=True)
+    idx = torch.zeros((1, 0), dtype=torch.int64, device=p.device)
+    return torch.sparse_coo_tensor(
+        idx, p.new_zeros((0, *p.shape[1:])), p.shape, device=p.device, check_invariants=True
+    )
 
 
 def lazy_step(
@@ -76,9 +78,10 @@ def lazy_step(
     for p in params:
         st = opt.state.get(p)
         if st and "step" in st:
-            st["step"] = (
-                torch.tensor(float(iteration - 1)) if isinstance(st["step"], torch.Tensor) else iteration - 1
-            )
+            if isinstance(st["step"], torch.Tensor):  # in place: torch's own device and dtype for it
+                st["step"].fill_(iteration - 1)
+            else:
+                st["step"] = iteration - 1
         p.grad = grads.get(p)
     opt.step()
     for p in params:
@@ -86,5 +89,10 @@ def lazy_step(
 
 
 def sparse_rows(rows: torch.Tensor, values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """The sparse gradient holding ``values[k]`` at row ``rows[k]`` (``rows`` distinct)."""
-    return torch.sparse_coo_tensor(rows.view(1, -1), values, shape, check_invariants=True).coalesce()
+    """The sparse gradient holding ``values[k]`` at row ``rows[k]`` (``rows`` distinct), on their device.
+    Building it reads the rows on the host (the invariant check and ``coalesce`` size the result): one
+    synchronisation per part applied, inherent in a sparse tensor."""
+    out = torch.sparse_coo_tensor(
+        rows.view(1, -1), values, shape, device=values.device, check_invariants=True
+    )
+    return out.coalesce()

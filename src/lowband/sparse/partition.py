@@ -45,7 +45,7 @@ def split_rows(rows: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
     for the rows that ``next_ids`` (the next step's ids of every rank) read. Those are sent and applied
     before the next lookup; the others may wait until a later lookup reads them."""
     if rows.numel() == 0 or next_ids.numel() == 0:
-        return torch.zeros(rows.shape[0], dtype=torch.bool)
+        return torch.zeros_like(rows, dtype=torch.bool)
     return torch.isin(rows, next_ids.reshape(-1))
 
 
@@ -53,7 +53,7 @@ def owner_rows(per_rank_rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[to
     """What an owner does with the rows it receives gradient blocks for: ``(union, positions)`` where
     ``union`` is the sorted distinct rows over every rank and ``positions[q]`` places rank ``q``'s
     rows in it (blocks are summed into ``union`` with ``index_add_``)."""
-    if not per_rank_rows:
-        return torch.zeros(0, dtype=torch.int64), []
+    if not per_rank_rows:  # nothing to take a device from: an empty host tensor
+        return torch.zeros(0, dtype=torch.int64, device="cpu"), []
     union = torch.unique(torch.cat(per_rank_rows), sorted=True)
     return union, [torch.searchsorted(union, r) for r in per_rank_rows]

@@ -56,12 +56,12 @@ class RowPartition:
             starts.append(starts[-1] + q + (j < r))
         return starts
 
-    def owned(self, rank: int) -> Tensor:
-        """The rows rank ``rank`` owns, increasing (int64)."""
+    def owned(self, rank: int, device: torch.device | str = "cpu") -> Tensor:
+        """The rows rank ``rank`` owns, increasing (int64), on ``device`` (the table's, to index it)."""
         if self.kind == "modulo":
-            return torch.arange(rank, max(rank, self.rows), self.n, dtype=torch.int64)
+            return torch.arange(rank, max(rank, self.rows), self.n, dtype=torch.int64, device=device)
         s = self._starts()
-        return torch.arange(s[rank], s[rank + 1], dtype=torch.int64)
+        return torch.arange(s[rank], s[rank + 1], dtype=torch.int64, device=device)
 
     def counts(self) -> list[int]:
         """Rows owned per rank."""
@@ -74,28 +74,30 @@ class RowPartition:
         """Each id's owner rank."""
         if self.kind == "modulo":
             return ids % self.n
-        bounds = torch.tensor(self._starts()[1:-1], dtype=torch.int64)
+        bounds = torch.tensor(self._starts()[1:-1], dtype=torch.int64, device=ids.device)
         return torch.bucketize(ids, bounds, right=True)
 
     def local(self, ids: Tensor) -> Tensor:
         """Each id's position in its owner's block."""
         if self.kind == "modulo":
             return ids // self.n
-        starts = torch.tensor(self._starts()[:-1], dtype=torch.int64)
+        starts = torch.tensor(self._starts()[:-1], dtype=torch.int64, device=ids.device)
         return ids - starts[self.owner(ids)]
 
     def by_owner(self, ids: Tensor) -> tuple[Tensor, list[int]]:
         """``ids`` reordered by owner (stable: increasing ids stay increasing) and the count per owner."""
         own = self.owner(ids)
         order = torch.argsort(own, stable=True)
+        # host sync (one): the counts are the all-to-all's splits, which the host must know
         counts = torch.bincount(own, minlength=self.n).tolist()
         return ids[order], counts
 
 
-def coalesce(ids: list[Tensor]) -> Tensor:
-    """The distinct ids of every call, increasing (int64)."""
+def coalesce(ids: list[Tensor], device: torch.device | str = "cpu") -> Tensor:
+    """The distinct ids of every call, increasing (int64), on their device; with no call, empty on
+    ``device`` (pass the table's)."""
     if not ids:
-        return torch.empty(0, dtype=torch.int64)
+        return torch.empty(0, dtype=torch.int64, device=device)
     out: Tensor = torch.unique(torch.cat([i.reshape(-1) for i in ids]).to(torch.int64))
     return out
 
@@ -118,4 +120,4 @@ def unpack_rows(buf: Tensor, dim: int, dtype: torch.dtype) -> tuple[Tensor, Tens
 
 def row_bytes(dim: int, dtype: torch.dtype) -> int:
     """Bytes of one packed row."""
-    return 8 + dim * torch.empty(0, dtype=dtype).element_size()
+    return 8 + dim * dtype.itemsize

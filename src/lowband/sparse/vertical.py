@@ -34,7 +34,7 @@ import torch
 from lowband.compress.slimgc.executor import Executor
 from lowband.errors import InvalidArgumentError
 from lowband.sparse.embedding import PartitionedEmbedding
-from lowband.sparse.exchange import LookupPlan, iexchange_gradients, sum_blocks
+from lowband.sparse.exchange import LookupPlan, iexchange_gradients, mask_counts, sum_blocks
 from lowband.sparse.lazy import lazy_step, sparse_rows
 from lowband.sparse.partition import split_rows
 
@@ -48,6 +48,8 @@ class _Part:
     rows: list[torch.Tensor]
     grad: torch.Tensor
     left: list[torch.Tensor]
+    #: rows of ``left`` still due over every rank, known on the host once a delivery counted them
+    due: int | None = None
 
 
 class VerticalSchedule:
@@ -129,18 +131,24 @@ class VerticalSchedule:
             masks = [
                 m if select is None else m & select(r) for m, r in zip(part.left, part.rows, strict=True)
             ]
-            count = sum(int(m.sum()) for m in masks)
+            # one host sync per part: the selected rows per rank (the exchange's splits) and, when only
+            # some are selected, the rows left before it (so the pending filter needs no further sync)
+            n = len(masks)
+            counts = mask_counts(masks if select is None else [*masks, *part.left])
+            sel = counts[:n]
+            count = sum(sel)
+            part.due = 0 if select is None else sum(counts[n:]) - count
             if count == 0:
                 continue
             blocks = iexchange_gradients(
-                part.grad, part.rows, masks, table.widths, name=part.table, group=table.group
+                part.grad, part.rows, masks, table.widths, name=part.table, group=table.group, counts=sel
             ).wait()
             got = sum_blocks(blocks, part.rows, masks, table.weight.shape[1], part.grad.dtype)
             by_iter.setdefault(part.iteration, {}).setdefault(part.table, []).append(got)
             part.left = [m & ~s for m, s in zip(part.left, masks, strict=True)]
             self.delivered_rows[kind] += count
         if keep:
-            self.pending = [p for p in self.pending if any(bool(m.any()) for m in p.left)]
+            self.pending = [p for p in self.pending if p.due is None or p.due > 0]
         for it in sorted(by_iter):
             grads = {}
             for name, pieces in by_iter[it].items():

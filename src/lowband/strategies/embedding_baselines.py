@@ -123,7 +123,8 @@ class EmbeddingSyncStrategy(Strategy):
     def step(self) -> None:
         if self.stage is not None:
             self.stage.wait()
-        self.coalesced = {n: coalesce(ids) for n, ids in self.ids.items()}
+        devices = {n: e.weight.device for n, e in self.tables}
+        self.coalesced = {n: coalesce(ids, devices[n]) for n, ids in self.ids.items()}
         for n, ids in self.ids.items():
             seen = self._seen[n]
             seen[0] += 1

@@ -74,7 +74,8 @@ class EmbeddingPSStrategy(EmbeddingSyncStrategy):
         for name, emb in self.tables:
             part = RowPartition(self.partition, emb.weight.shape[0], n)
             self.parts[name] = part
-            self.servers[name] = nn.Parameter(emb.weight.detach()[part.owned(me)].clone())
+            w = emb.weight.detach()
+            self.servers[name] = nn.Parameter(w[part.owned(me, w.device)].clone())
         dense = [p for p in model.parameters() if id(p) not in self.table_ids]
         return dense + list(self.servers.values())
 
@@ -86,7 +87,7 @@ class EmbeddingPSStrategy(EmbeddingSyncStrategy):
         super().on_lookup(name, ids)
         w = next(e for n, e in self.tables if n == name).weight
         part, server = self.parts[name], self.servers[name]
-        want, counts = part.by_owner(coalesce([ids]))
+        want, counts = part.by_owner(coalesce([ids]))  # counts: host splits (by_owner's one sync)
         asked, got = alltoall(want, counts, name=f"{name}.pull-ids", group=self.fast)
         rows = server.detach()[part.local(asked)]
         back, _ = alltoall(rows, got, recv_splits=counts, name=f"{name}.pull-rows", group=self.fast)
@@ -117,7 +118,8 @@ class EmbeddingPSStrategy(EmbeddingSyncStrategy):
             part, server = self.parts[name], self.servers[name]
             full = allgather(server.detach(), sizes=part.counts(), name=f"{name}.refresh", group=self.fast)
             with torch.no_grad():
-                emb.weight[torch.cat([part.owned(j) for j in range(n)])] = full
+                w = emb.weight
+                w[torch.cat([part.owned(j, w.device) for j in range(n)])] = full
         self._stale = False
 
     def hparams(self) -> dict[str, Any]:

@@ -27,7 +27,8 @@ Spec: ``embrace:schedule=hybrid|horizontal|vertical|2d,overlap=false|true,bucket
 
 Equivalence: both schedules train as the single-process model on every rank's batch with the ranks'
 losses averaged (``vertical`` with lazy Adam semantics on the tables). The tables' traffic runs on its
-own channel over the group, so it never interleaves with the stage's allreduces.
+own channel over the group, so it never interleaves with the stage's allreduces, except for CUDA tables
+on an NCCL group, which share the data group (:func:`table_channel`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lowband.comm.initial import broadcast_initial_state
@@ -57,8 +59,49 @@ from lowband.strategies.registry import register_strategy
 SCHEDULES = ("hybrid", "horizontal", "vertical", "2d")
 
 
-def _channel(group: Group) -> Group:
-    """A new process group over ``group``'s ranks for the tables' traffic."""
+def _nccl(group: Group) -> bool:
+    """Whether ``group``'s data backend is NCCL (``nccl`` or ``cpu:gloo,cuda:nccl``); thread ranks' own
+    gloo groups and groups torch does not know by name are not."""
+    if isinstance(group.pg, dist.ProcessGroupGloo):
+        return False
+    try:
+        return "nccl" in str(dist.get_backend(group.pg)).lower()
+    except (RuntimeError, ValueError):
+        return False
+
+
+def table_device(model: nn.Module, where: str) -> torch.device:
+    """The one device every ``nn.Embedding`` of ``model`` is on (the CPU when it has none)."""
+    found = {m.weight.device for m in model.modules() if isinstance(m, nn.Embedding)}
+    if len(found) > 1:
+        raise InvalidArgumentError(
+            f"{where}: the embedding tables are on several devices {sorted(map(str, found))}: move the "
+            "model to one device"
+        )
+    return found.pop() if found else torch.device("cpu")
+
+
+def table_channel(group: Group, device: torch.device, schedule: str, overlap: bool, where: str) -> Group:
+    """The process group the tables' traffic runs on (chosen here only), for tables on ``device``.
+
+    - A private gloo group over ``group``'s ranks when the tables are on the CPU, or when ``group``
+      itself is gloo (thread ranks, ``backend='gloo'``: gloo moves CUDA tensors, staged through host
+      memory, as it does on the data group): the table traffic never queues behind the dense
+      gradients' collectives, and the schedules' communication threads have a group of their own.
+    - ``group`` itself when the tables are on CUDA and ``group`` is NCCL: a private gloo group would
+      stage every table byte through the host. NCCL needs one issuing order from one thread per group,
+      so with more than one rank the schedules that issue on it from a communication thread while the
+      training thread issues the table traffic (``horizontal`` and ``2d``'s dense queue, ``overlap``'s
+      delayed rows) are refused, naming the fix.
+    """
+    if device.type == "cuda" and _nccl(group):
+        if group.size > 1 and (schedule in ("horizontal", "2d") or overlap):
+            raise InvalidArgumentError(
+                f"{where}: tables on {device} over the NCCL group {group.name!r}: schedule={schedule!r}"
+                f"{', overlap=true' if overlap else ''} would issue NCCL collectives on one group from two "
+                "threads (a deadlock); use schedule='hybrid' or 'vertical' without overlap, or a gloo backend"
+            )
+        return group
     ctx, g = world_group(group, "strategy 'embrace'")
     counts: dict[tuple[int, ...], int] = ctx.state.setdefault("lowband.sparse.channels", {})
     gen = counts.get(g.ranks, 0)
@@ -108,7 +151,8 @@ class EmbraceStrategy(Strategy):
             )
         self.schedule, self.overlap, self.bucket_mb = schedule, overlap, float(bucket_mb)
         broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
-        self.tables = partition_tables(model, _channel(group))
+        channel = table_channel(group, table_device(model, where), schedule, overlap, where)
+        self.tables = partition_tables(model, channel)
         if not self.tables:
             raise InvalidArgumentError(f"{where}: the model has no nn.Embedding to partition")
         table_params = {id(t.weight) for t in self.tables.values()}
