@@ -21,6 +21,11 @@ order too. Units whose parameters got no gradient are launched when the backward
 gradients as zeros. Communicate in ``on_reduced`` on another group than the reducer's: its timing
 relative to the reducer's launches is not the same on every rank.
 
+Loss scaling (fp16). With :attr:`GradientStage.unscaler` set (a per-unit
+:class:`~lowband.optim.scaling.GradUnscaler`), each unit's gradients are unscaled (a unit holding inf/NaN
+zeroed and flagged) right before they are handed to the reducer, so reducers, compressors and their
+error-feedback memories only ever see true, finite gradients.
+
 Accumulation. With ``accumulate = J`` the gradients of J backward passes are summed locally (in
 ``.grad``, as torch does) and reduced during the J-th backward; passes inside :meth:`no_sync` are
 never reduced and do not count. :meth:`wait` after fewer passes reduces what has accumulated.
@@ -41,6 +46,7 @@ from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
+from lowband.optim.scaling import GradUnscaler
 from lowband.runtime import world_group
 
 Tensor = torch.Tensor
@@ -105,6 +111,8 @@ class GradientStage:
         #: threads running backward or :meth:`wait`
         self.reduce_s = 0.0
         self.enabled = True
+        #: fp16 loss scaling: unscales each unit before the reducer sees it (module docstring)
+        self.unscaler: GradUnscaler | None = None
         n = len(self.units)
         self._unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
         self._order = list(reversed(range(n)))  # launch order: backward order
@@ -207,6 +215,8 @@ class GradientStage:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
+        if self.unscaler is not None:
+            self.unscaler.unscale_(grads)
         t0 = time.perf_counter()
         h = self.reducer.reduce(unit, grads, ReduceContext(self._fast, self.rounds))
         self.reduce_s += time.perf_counter() - t0

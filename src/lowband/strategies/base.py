@@ -23,6 +23,15 @@ part; :meth:`Strategy.state_dict` saves this rank's shards with their layout; a 
 another world size once whole (:meth:`Strategy.full_state_dict`, or
 :func:`lowband.strategies.sharded_state.assemble_state_dicts` of every rank's checkpoint; see there).
 
+Precision. bf16 and fp16 run the forward and the loss under ``torch.autocast`` (the caller's ``loss_fn``)
+while the parameters stay float32, so gradients, and every piece of strategy state derived from them
+(error-feedback memories, outer momenta, DreamDDP's averaged layers, SlimGC's backup), stay float32.
+fp16 also needs loss scaling: :meth:`Strategy.set_grad_scaler` hands the strategy a
+``torch.amp.GradScaler``; :meth:`backward` then scales the loss, the gradients are unscaled before any
+compression, clipping or step reads them (:mod:`lowband.optim.scaling`), a step with inf/NaN on any rank
+is skipped on every rank, and the scale is updated after each step. Strategies that cannot do this
+correctly refuse the scaler (:attr:`Strategy.no_grad_scaler_reason`) with one clear error.
+
 Consensus: :meth:`Strategy.average_state_dict` / :meth:`Strategy.average_model` give the one model
 to evaluate or export, for every strategy: replicated floating-point state averaged over the ranks
 (skipped when :meth:`in_sync` says the replicas are identical), sharded parameters assembled whole.
@@ -40,6 +49,7 @@ from lowband.comm import collectives as comm
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.nn.sharding import ShardSpec, gather_full, shard_specs
+from lowband.optim.scaling import GradUnscaler
 from lowband.strategies import sharded_state
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -61,6 +71,22 @@ class Strategy:
     steps_in_backward: bool = False
     #: why :meth:`clip_grad_norm_` is refused (None: supported)
     no_clip_reason: str | None = None
+    #: why fp16 loss scaling (:meth:`set_grad_scaler`) is refused (None: supported). Refused unless a
+    #: strategy says how its gradients are unscaled before they are communicated or stepped.
+    no_grad_scaler_reason: str | None = (
+        "it has not been made safe for loss scaling (its gradients could be communicated or applied while "
+        "still scaled)"
+    )
+    #: with a scaler: unscale each unit before communicating it (True; the strategy wires
+    #: :attr:`unscaler` in :meth:`_attach_unscaler`) or ``.grad`` once before the step (False)
+    unscale_per_unit: bool = False
+    #: with a scaler: the ranks agree on inf/NaN before stepping (one 1-element allreduce per step);
+    #: False only where the gradients are identical on every rank already (DDP's allreduce) or the
+    #: ranks never communicate
+    agree_found_inf: bool = True
+    grad_scaler: torch.amp.GradScaler | None = None
+    unscaler: GradUnscaler | None = None
+    _grads_unscaled: bool = False
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> None:
         self.local_module = model
@@ -79,10 +105,61 @@ class Strategy:
         self.optimizer.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()  # type: ignore[no-untyped-call]
+        """Backward of ``loss`` (scaled by the grad scaler, if one is set)."""
+        self.scaled(loss).backward()  # type: ignore[no-untyped-call]
 
     def step(self) -> None:
-        self.optimizer.step()
+        self.optimizer_step()
+
+    # -- fp16 loss scaling ------------------------------------------------------------------------
+    def set_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Train with fp16 loss scaling by ``scaler`` (see the module docstring); every rank, before the
+        first step. Raises :class:`InvalidArgumentError` where the strategy cannot do it correctly."""
+        where = f"{type(self).__name__}.set_grad_scaler on rank {self.group.world_rank}"
+        reason = self.no_grad_scaler_reason
+        if reason is None and self.steps_in_backward:
+            reason = "it steps each layer during backward, before the whole gradient is known to be finite"
+        if reason is not None:
+            raise InvalidArgumentError(
+                f"{where}: strategy {self.name!r} cannot train with fp16 loss scaling: {reason}; use bf16 "
+                "(--precision bf16: no scaler needed) or fp32"
+            )
+        if self.grad_scaler is not None or self.steps:
+            raise InvalidArgumentError(f"{where}: set the grad scaler once, before the first step")
+        self.unscaler = GradUnscaler(
+            scaler, per_unit=self.unscale_per_unit, agree=self.agree_found_inf, where=where
+        )
+        self.grad_scaler = scaler
+        self._attach_unscaler(self.unscaler)
+
+    def _attach_unscaler(self, unscaler: GradUnscaler) -> None:
+        """Strategies with :attr:`unscale_per_unit` hand ``unscaler`` to where units are communicated."""
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the grad scaler's scale (``loss`` itself without a scaler)."""
+        return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
+
+    def unscale_gradients(self) -> None:
+        """With a grad scaler: the gradients in ``.grad`` unscaled (once per step) and the ranks' inf/NaN
+        flags agreed and recorded for the optimizer; nothing without one. Call after
+        :meth:`finish_gradients`."""
+        if self.unscaler is None or self._grads_unscaled:
+            return
+        self.unscaler.finish(self.optimizer, self.group)
+        self._grads_unscaled = True
+
+    def optimizer_step(self) -> None:
+        """The wrapped optimizer's step; with a grad scaler, after :meth:`unscale_gradients`, skipped on
+        every rank when any rank's gradients held inf/NaN, then the scale updated."""
+        if self.grad_scaler is None:
+            self.optimizer.step()
+            return
+        self.unscale_gradients()
+        # GradScaler.step decides on the host whether to skip: it reads the agreed flag (a host
+        # synchronisation on accelerators, unavoidable: skipping is host control flow)
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()
+        self._grads_unscaled = False
 
     def finish_gradients(self) -> None:
         """Complete the gradient communication of the last backward (the gradients in ``.grad`` are the
@@ -105,7 +182,9 @@ class Strategy:
                 f"{where}: strategy {self.name!r} cannot clip gradients between backward and step: {reason}"
             )
         self.finish_gradients()
+        self.unscale_gradients()  # clip true gradients, not scaled ones
         grads = [p for p in self.local_module.parameters() if p.grad is not None]
+        # the norm is returned as a float (the protocol's, torch's own is a tensor): a host sync
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type))
 
     def train_step(self, loss_fn: LossFn) -> float:
@@ -115,6 +194,7 @@ class Strategy:
         self.backward(loss)
         self.step()
         self.steps += 1
+        # the protocol returns the loss as a float (the bench records every step's): one host sync
         return float(loss.detach())
 
     def synchronize(self) -> None:

@@ -15,15 +15,24 @@ first :meth:`train_step` after :meth:`load_state_dict` first runs one extra forw
 batch outside training (random state, module buffers and gradients put back, no optimizer step), only so
 that DDP rebuilds its buckets as the uninterrupted run did; the PowerSGD state is applied after it. The
 resumed run then matches the uninterrupted one bit for bit.
+
+fp16 loss scaling (:meth:`Strategy.set_grad_scaler`). ``ddp`` takes torch's own path: DDP averages the
+scaled gradients, so every rank holds the same ones (an overflow on any rank is inf/NaN in everyone's
+average) and ``GradScaler.unscale_`` / ``step`` / ``update`` decide alike on every rank with no extra
+communication. ``powersgd`` cannot: its error-feedback memory would hold scaled values and be poisoned
+for good by one overflow. Its comm hook therefore unscales each bucket first (a bucket holding inf/NaN
+on this rank is zeroed, :mod:`lowband.optim.scaling`), and the ranks agree on the flag before the step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel
@@ -31,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lowband.comm.initial import claim_initial_broadcast
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.scaling import GradUnscaler
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.torchcomm import comm_errors
@@ -48,6 +58,9 @@ def _check_positive(cls: str, what: str, v: object, minimum: float = 1) -> None:
 @register_strategy("ddp", "S-SGD: torch DDP, bucketed allreduce overlapped with backward (WFBP)")
 class DDPStrategy(Strategy):
     name = "ddp"
+    # fp16: torch's own path (module docstring): identical averaged gradients on every rank
+    no_grad_scaler_reason = None
+    agree_found_inf = False
 
     def __init__(
         self,
@@ -107,6 +120,8 @@ class DDPStrategy(Strategy):
             for b, saved in zip(self.local_module.buffers(), buffers, strict=True):
                 b.copy_(saved)
         self._rebucket_pending = False
+        if self.unscaler is not None:
+            self.unscaler.discard()  # that pass's overflow flags are not the next step's
         self._after_rebucket()
 
     def _after_rebucket(self) -> None:
@@ -141,9 +156,36 @@ def _set_rng_state(rng: np.random.RandomState, st: dict[str, Any]) -> None:
     rng.set_state((st["kind"], keys, st["pos"], st["has_gauss"], st["cached_gaussian"]))
 
 
+@dataclass
+class _ScaledPowerSGD:
+    """The comm hook's state: torch's PowerSGD state, and the unscaler once fp16 scaling is on."""
+
+    psgd: psgd.PowerSGDState
+    unscaler: GradUnscaler | None = None
+
+
+def _scaled_powersgd_hook(state: _ScaledPowerSGD, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``powerSGD_hook`` on the bucket, unscaled first when loss scaling is on."""
+    if state.unscaler is not None:
+        state.unscaler.unscale_([bucket.buffer()])
+    return psgd.powerSGD_hook(state.psgd, bucket)
+
+
+# DDP compares the hook's annotations with the classes themselves; postponed (string) annotations
+# would be refused, so the resolved ones are set here (as lowband.optim.ddp_hook does)
+_scaled_powersgd_hook.__annotations__ = {
+    "state": _ScaledPowerSGD,
+    "bucket": GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
 @register_strategy("powersgd", "torch DDP with the PowerSGD comm hook (rank-r compression + error feedback)")
 class PowerSGDStrategy(DDPStrategy):
     name = "powersgd"
+    # fp16: each bucket unscaled (zeroed on overflow) in the comm hook, the flag agreed before the step
+    unscale_per_unit = True
+    agree_found_inf = True
 
     def __init__(
         self,
@@ -169,11 +211,15 @@ class PowerSGDStrategy(DDPStrategy):
             warm_start=True,
             random_seed=0,
         )
-        self.ddp.register_comm_hook(self.state, psgd.powerSGD_hook)
+        self._hook_state = _ScaledPowerSGD(self.state)
+        self.ddp.register_comm_hook(self._hook_state, _scaled_powersgd_hook)
         self._pending: dict[str, Any] | None = None  # checkpointed hook state, applied after _rebucket
 
     def hparams(self) -> dict[str, Any]:
         return {"rank": self.rank, "start_iter": self.start_iter}
+
+    def _attach_unscaler(self, unscaler: GradUnscaler) -> None:
+        self._hook_state.unscaler = unscaler
 
     def extra_state(self) -> dict[str, Any]:
         # error-feedback memory and warm-start factors (per DDP bucket), the iteration counter and the

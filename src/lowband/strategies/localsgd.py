@@ -22,7 +22,11 @@ from lowband.strategies.torchcomm import comm_errors
 
 @register_strategy("localsgd", "FLSGD: local SGD, all parameters averaged every H steps (torch PostLocalSGD)")
 class LocalSGDStrategy(Strategy):
+    """fp16: the local gradients are unscaled at the step and the ranks agree on inf/NaN first, so a
+    skipped step (no averaging either) is skipped on every rank and torch's averager counts alike."""
+
     name = "localsgd"
+    no_grad_scaler_reason = None
 
     def __init__(
         self,

@@ -40,6 +40,18 @@ def parse_strategy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return parse_spec(spec, "strategy")
 
 
+def check_model_device(where: str, model: nn.Module, device: torch.device) -> None:
+    """The model's parameters are on the kind of device this rank computes on (``lowband.device()``): a
+    CPU model on a CUDA rank (or the reverse) is refused before any strategy state or hook is made."""
+    for pname, p in model.named_parameters():
+        if p.device.type in ("cpu", "cuda") and p.device.type != device.type:
+            raise InvalidArgumentError(
+                f"{where}: parameter {pname!r} is on {p.device} but this rank computes on {device} "
+                f"(lowband.device()); move the model first (model.to(lowband.device())), or start lowband on "
+                f"{p.device.type} (lowband.init(device={p.device.type!r}), LOWBAND_DEVICE)"
+            )
+
+
 def make_strategy(
     name: str,
     model: nn.Module,
@@ -55,11 +67,13 @@ def make_strategy(
     ``model.parameters()``, rebuilt by the strategy on the parameters it needs with the same class and
     options (:func:`lowband.optim.factory.as_optimizer_factory`). With ``broadcast_init`` (the default)
     every rank starts from rank 0's parameters and buffers, as torch DDP does (broadcast once the
-    strategy's arguments are checked); collective."""
+    strategy's arguments are checked); collective. The model must be on this rank's kind of device
+    (:func:`check_model_device`)."""
     factory = STRATEGIES.get(name)
     STRATEGIES.check_options(name, options)
     where = f"make_strategy({name!r})"
-    _, g = world_group(group, where)
+    ctx, g = world_group(group, where)
+    check_model_device(f"{where} on rank {g.rank}", model, ctx.device)
     make = as_optimizer_factory(make_optimizer, where, model.parameters())
     if not isinstance(broadcast_init, bool):
         raise InvalidArgumentError(f"{where}: broadcast_init must be True or False, got {broadcast_init!r}")

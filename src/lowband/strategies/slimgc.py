@@ -49,6 +49,10 @@ class SlimGCStrategy(ClockedStrategy):
 
     name = "slimgc"
     no_clip_reason = "its reducer hands the averaged gradients to the optimizer inside step()"
+    no_grad_scaler_reason = (
+        "its model backup applies each round's averaged gradients one step late (Eq. 8), after the next "
+        "local step, so a step skipped for an overflow cannot be skipped consistently"
+    )
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ from lowband.compress.reducer import CompressedReducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import AllreduceReducer, Reducer
+from lowband.optim.scaling import GradUnscaler
 from lowband.optim.stage import GradientStage
 from lowband.optim.units import check_bucket_mb, model_units
 from lowband.strategies.base import OptimizerFactory
@@ -29,6 +30,9 @@ class StageStrategy(ClockedStrategy):
     compression, communication not overlapped; :mod:`lowband.strategies.breakdown`)."""
 
     name = "stage"
+    # fp16: each unit is unscaled by the stage before its reducer (compressor, memory) sees it
+    no_grad_scaler_reason = None
+    unscale_per_unit = True
 
     def __init__(
         self,
@@ -54,7 +58,10 @@ class StageStrategy(ClockedStrategy):
     def step(self) -> None:
         self.stage.wait()
         self.clock.wait_done()
-        self.optimizer.step()
+        self.optimizer_step()
+
+    def _attach_unscaler(self, unscaler: GradUnscaler) -> None:
+        self.stage.unscaler = unscaler
 
     def synchronize(self) -> None:
         self.stage.wait()
