@@ -143,13 +143,19 @@ def init(
 
 
 def init_thread_rank(
-    store: Any, rank: int, size: int, config: Config, local_size: int | None = None
+    store: Any, rank: int, size: int, config: Config, local_size: int | None = None, emulate_nccl: bool = False
 ) -> Context:
-    """Make this *thread* a rank of its own gloo world (used by :mod:`lowband.testing`)."""
+    """Make this *thread* a rank of its own gloo world (used by :mod:`lowband.testing`). ``emulate_nccl``:
+    the world's data group is an NCCL-semantics emulator over gloo (lowband.comm.nccl_emulator); the
+    control group stays plain gloo."""
     ls = _resolve_local_size(size, local_size if local_size is not None else size)
-    pg = dist.ProcessGroupGloo(
+    pg: Any = dist.ProcessGroupGloo(
         PrefixStore("lowband/world", store), rank, size, datetime.timedelta(seconds=config.timeout)
     )
+    if emulate_nccl:
+        from lowband.comm.nccl_emulator import STATE_KEY, emulate
+
+        pg = emulate(pg, PrefixStore("lowband/world-emu", store), rank, size, "world", config.timeout)
     ctl = dist.ProcessGroupGloo(
         PrefixStore("lowband/world-ctl", store), rank, size, datetime.timedelta(seconds=config.timeout)
     )
@@ -157,6 +163,8 @@ def init_thread_rank(
     ctx = Context(
         rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), threaded=True, store=store
     )
+    if emulate_nccl:
+        ctx.state[STATE_KEY] = True  # groups made later (new_group, hierarchy) read it
     _local.ctx = ctx
     _make_hierarchy(ctx)
     return ctx

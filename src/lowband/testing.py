@@ -55,13 +55,15 @@ def run_threads(
     local_size: int | None = None,
     trace: bool = False,
     fusion_threshold: int | None = None,
+    emulate_nccl: bool = False,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` thread-ranks; returns the results in rank order.
 
     Each thread is a lowband rank (``lowband.rank()``, collectives, groups all work as in a process).
     ``comm_timeout`` (default: ``timeout``) bounds every communication. If the ranks have not all
     finished after ``timeout`` seconds, their process groups are aborted and the stuck ranks' stacks
-    are reported.
+    are reported. ``emulate_nccl``: each rank's data groups enforce NCCL's contract
+    (:mod:`lowband.comm.nccl_emulator`); the control groups stay plain gloo.
     """
     store = HashStore()
     cfg = Config(
@@ -76,7 +78,7 @@ def run_threads(
 
     def body(rank: int) -> None:
         try:
-            ctx = init_thread_rank(store, rank, world_size, cfg, local_size)
+            ctx = init_thread_rank(store, rank, world_size, cfg, local_size, emulate_nccl)
             pgs[rank] = ctx
             results[rank] = fn(*args)
         except BaseException:
