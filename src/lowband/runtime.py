@@ -143,7 +143,12 @@ def init(
 
 
 def init_thread_rank(
-    store: Any, rank: int, size: int, config: Config, local_size: int | None = None, emulate_nccl: bool = False
+    store: Any,
+    rank: int,
+    size: int,
+    config: Config,
+    local_size: int | None = None,
+    emulate_nccl: bool = False,
 ) -> Context:
     """Make this *thread* a rank of its own gloo world (used by :mod:`lowband.testing`). ``emulate_nccl``:
     the world's data group is an NCCL-semantics emulator over gloo (lowband.comm.nccl_emulator); the
