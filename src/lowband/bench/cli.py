@@ -95,6 +95,18 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
         help="time-to-target loss (default: chosen from the runs, see results.md)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, help="seed of models and data (default 0)")
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default=dflt.device,
+        help="where each rank computes: cuda = cuda:LOCAL_RANK (an error where CUDA is missing), auto = cuda "
+        f"when available, else cpu (default {dflt.device}); models, the compute-only copy and batches go there",
+    )  # fmt: skip
+    p.add_argument(
+        "--precision", choices=["fp32", "bf16", "fp16"], default=dflt.precision,
+        help="fp32, or bf16 / fp16 autocast of forward and loss with float32 parameters (gradients and "
+        "strategy state stay float32); fp16 adds a GradScaler, gradients unscaled before compression and "
+        "clipping, overflowed steps skipped on every rank; strategies that cannot do that are refused "
+        f"(default {dflt.precision})",
+    )  # fmt: skip
     add_timeout(p, dflt.comm_timeout)
     p.add_argument(
         "--eval-items", type=int, default=dflt.eval_items,
@@ -141,6 +153,8 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
         target_loss=ns.target_loss,
         seed=ns.seed,
         eval_items=ns.eval_items,
+        device=ns.device,
+        precision=ns.precision,
         comm_timeout=ns.timeout,
         out_dir=out,
         **extra,  # type: ignore[arg-type]

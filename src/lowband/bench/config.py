@@ -42,6 +42,10 @@ class BenchConfig:
     #: strategy (label or name) the speed-up ratios are computed against; default: every baseline present
     baselines: list[str] = field(default_factory=lambda: ["ddp", "localsgd"])
     threads: int = 1
+    #: where each rank computes: "auto" (cuda when available, else cpu), "cpu" or "cuda" (cuda:LOCAL_RANK)
+    device: str = "auto"
+    #: "fp32", or "bf16" / "fp16" autocast (float32 parameters; fp16 with a loss scaler)
+    precision: str = "fp32"
     comm_timeout: float = 120.0
     out_dir: str = "results/bench"
     #: collectives mode (``lowband bench --collectives``): time these ops instead of training
@@ -72,6 +76,9 @@ class BenchConfig:
                 raise bad(f"{name} must be an int >= 1, got {v!r}")
         if isinstance(self.eval_items, bool) or not isinstance(self.eval_items, int) or self.eval_items < 0:
             raise bad(f"eval_items must be an int >= 0 (0: the whole test set), got {self.eval_items!r}")
+        from lowband.bench.precision import check_device, check_grad_scaling, check_precision
+
+        check_precision("lowband bench", self.precision, check_device("lowband bench", self.device))
         if not 0 <= self.warmup_rounds < self.rounds:
             raise bad(f"warmup_rounds must be in [0, rounds) = [0, {self.rounds}), got {self.warmup_rounds}")
         if self.collectives is not None:
@@ -96,6 +103,8 @@ class BenchConfig:
 
         check_workload(self.workload)
         check_strategy_specs(self.strategies)
+        if self.precision == "fp16":
+            check_grad_scaling("lowband bench", self.strategies)
         if len(set(self.strategies)) != len(self.strategies):
             raise bad(f"strategies repeat: {self.strategies}")
         if self.world_size % self.ranks_per_machine:

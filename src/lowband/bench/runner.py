@@ -74,9 +74,11 @@ def check_machine(cfg: BenchConfig) -> None:
     if cfg.collectives is not None:
         model_bytes = max(cfg.sizes, default=0)
     else:
+        from lowband.bench.precision import check_model_device, device_type
         from lowband.bench.workloads import get_workload
 
         model = get_workload(cfg.workload).build_model(cfg.seed)
+        check_model_device("lowband bench", model, device_type(cfg.device))  # also on every rank
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     check_resources(cfg.world_size, cfg.threads, rank_bytes(model_bytes), m, what)
 
@@ -154,6 +156,8 @@ def run_bench(
         "workload": raw["workload"],
         "unit": raw["unit"],
         "batch_size_per_rank": raw["batch_size"],
+        "device": raw.get("device", "cpu"),
+        "precision": raw.get("precision", cfg.precision),
         "summary": summary,
         "raw": raw,
     }
@@ -163,6 +167,7 @@ def run_bench(
     header = (
         f"### {title}\n\n{raw['workload']}; batch {raw['batch_size']}/rank; {cfg.rounds} rounds x "
         f"{cfg.steps_per_round} steps per strategy, alternated, first {cfg.warmup_rounds} round(s) untimed; "
+        f"on {raw.get('device', 'cpu')} in {raw.get('precision', 'fp32')}; "
         + (
             "evaluated on the whole test set"
             if cfg.eval_items == 0

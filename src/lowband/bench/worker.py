@@ -8,6 +8,12 @@ of every rank and the loss; per round the bytes that crossed this rank's link (k
 counters) and a held-out evaluation (time excluded); at the end every rank's :meth:`Strategy.report`.
 Rank 0 writes everything to ``raw.json``.
 
+Device and precision (:mod:`lowband.bench.precision`): each rank computes on ``lowband.device()`` (bound
+by ``lowband.init(device=--device)``); every model, the compute-only copy included, is moved there before
+its strategy is made, batches inside the timed step; forward and loss run under autocast for bf16/fp16,
+each strategy gets its own GradScaler for fp16; step times are taken with the device synchronised.
+Evaluation runs in float32 (the parameters are float32: it measures the model, not the arithmetic).
+
 Sharded strategies (parameters living on one rank only, :attr:`Strategy.shards`) shard the workload's
 dense model themselves, so the compute-only copy is that dense model trained on the rank's own batches
 with no communication; their evaluation is of the assembled model
@@ -17,7 +23,6 @@ the replicated parameters only.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -30,6 +35,7 @@ import torch
 
 import lowband
 from lowband.bench.config import BenchConfig
+from lowband.bench.precision import autocast_loss, check_model_device, grad_scaler, move_batch, timed
 from lowband.bench.workloads import Workload, get_workload
 from lowband.errors import InvalidArgumentError
 from lowband.strategies import Strategy, make_strategy, parse_strategy_spec
@@ -43,6 +49,9 @@ class ComputeOnly(Strategy):
     """The same training step with no communication at all: measures computation time."""
 
     name = COMPUTE
+    # fp16: torch's own scaler path on local gradients; the ranks never communicate, so no agreement
+    no_grad_scaler_reason = None
+    agree_found_inf = False
 
     def in_sync(self) -> bool:
         return False
@@ -98,15 +107,16 @@ def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) 
     starts, ends, losses, items = [], [], [], 0
     ahead = getattr(wl, "lookup_ids", None)  # the next batch's table ids, for strategies that prefetch
     nxt = next(run.batches) if cfg.steps_per_round else None
+    dev = lowband.device()
     for k in range(cfg.steps_per_round):
         batch, nxt = nxt, (next(run.batches) if k + 1 < cfg.steps_per_round else None)
-        t0 = time.perf_counter()
-        loss = run.strategy.train_step(functools.partial(wl.loss, batch=batch))
-        if ahead is not None and nxt is not None:
-            run.strategy.lookahead(ahead(nxt))
-        t1 = time.perf_counter()
-        starts.append(t0 - epoch0)
-        ends.append(t1 - epoch0)
+        with timed(dev) as t:
+            on_dev = move_batch(batch, dev)
+            loss = run.strategy.train_step(autocast_loss(wl.loss, on_dev, dev, cfg.precision))
+            if ahead is not None and nxt is not None:
+                run.strategy.lookahead(ahead(move_batch(nxt, dev)))
+        starts.append(t[0] - epoch0)
+        ends.append(t[1] - epoch0)
         losses.append(loss)
         items += wl.items(batch)
     run.strategy.synchronize()
@@ -145,7 +155,7 @@ def _segment(run: Run, wl: Workload, cfg: BenchConfig, rnd: int, epoch0: float) 
 
 def _evaluate(run: Run, wl: Workload, cfg: BenchConfig, rnd: int) -> None:
     s = run.strategy
-    model = s.average_model(wl.build_model(cfg.seed)) if s.shards else s.local_module
+    model = s.average_model(wl.build_model(cfg.seed).to(lowband.device())) if s.shards else s.local_module
     res = wl.evaluate(model, max_items=cfg.eval_items or 2**62)  # 0: the whole test set
     if res is None:  # the workload has no held-out evaluation (the same on every rank)
         return
@@ -185,14 +195,20 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
     def make_opt(params: Any) -> torch.optim.Optimizer:
         return wl.make_optimizer(params, lr=cfg.lr)
 
+    dev = lowband.device()
     runs: list[Run] = []
     for spec in [*cfg.strategies, COMPUTE]:
         model = wl.build_model(cfg.seed)
+        check_model_device(f"lowband bench on rank {r}", model, dev.type)
+        model.to(dev)  # before the strategy: DDP, hooks and state are made on the rank's device
         if spec == COMPUTE:
             strat: Strategy = ComputeOnly(model, make_opt(model.parameters()), lowband.world())
         else:
             name, options = parse_strategy_spec(spec)
             strat = make_strategy(name, model, make_opt, **options)
+        scaler = grad_scaler(dev, cfg.precision)
+        if scaler is not None:
+            strat.set_grad_scaler(scaler)
         runs.append(Run(spec, strat, wl.batches(r, n, bs, cfg.seed)))
     total = cfg.rounds * len(runs) * cfg.steps_per_round  # progress counts training steps
     done = 0
@@ -228,6 +244,8 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
             "unit": wl.unit,
             "workload": wl.describe(),
             "workload_name": wl.name,
+            "device": str(dev),
+            "precision": cfg.precision,
             "testbed_shaped": os.environ.get("LOWBAND_TESTBED_SHAPED", "0") == "1",
             "iface": os.environ.get("LOWBAND_TESTBED_IFNAME", "lo"),
         }
@@ -242,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     path = Path(args[0])
     cfg = BenchConfig.load(path)
-    lowband.init(timeout=cfg.comm_timeout)
+    lowband.init(timeout=cfg.comm_timeout, device=cfg.device)
     try:
         out = run_worker(cfg)
         if out is not None:
