@@ -23,6 +23,10 @@ rest of backward, and make sure every later reader waits for it.
   time from ``max(launch, previous completion)`` to completion (averagings queue on one link). The
   averaged values are then written back on torch's callback thread, which is safe: nothing reads the
   layer before waiting for it.
+- Precision: the averaged "copies" are the parameters themselves, averaged in place in their own dtype
+  and on their own device; under bf16/fp16 autocast the parameters stay float32, so averaging is float32
+  (no lower-precision copy exists). fp16 loss scaling is refused by these strategies: they step each
+  layer during backward, before the whole gradient is known to be finite.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ state (error-feedback memories keyed by parameter name, the compressor's and the
 into ``state_dict``; a checkpoint resumes bit-identically at the same world size, and
 :func:`~lowband.strategies.compressed_state.reshard_checkpoints` maps every rank's checkpoint onto
 another world size where the state allows.
+
+Precision: with bf16/fp16 autocast the parameters and gradients stay float32, so the error-feedback
+memories (built from the gradients) are float32 too; with fp16 loss scaling the stage unscales each
+unit before the compressor and memory see it (:class:`~lowband.strategies.stage.StageStrategy`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ switchable for the ablation:
 
 Plain compression (the ablation's baseline) is ``comm_threshold=0,offload=false,backup=false``. Units
 are single parameter tensors, as in the paper (it decides per gradient tensor by its size).
+
+Precision: under bf16/fp16 autocast the parameters, gradients, error-feedback memories and the backup's
+global weights and optimizer state stay float32 (``tests/test_precision.py`` checks the state's dtypes);
+fp16 loss scaling is refused (:attr:`SlimGCStrategy.no_grad_scaler_reason`).
 """
 
 from __future__ import annotations
