@@ -44,6 +44,7 @@ from lowband.launcher import launch
 from lowband.optim.ddp_hook import ddp_comm_hook
 from lowband.runtime import (
     destroy_group,
+    device,
     init,
     is_initialized,
     local_group,
@@ -66,7 +67,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveMismatchError", "CommFailedError", "CommTimeoutError", "Group", "Handle",
     "InvalidArgumentError", "LowbandError", "NotInitializedError", "__version__", "allgather",
-    "allreduce", "alltoall", "barrier", "broadcast", "chrome_trace", "counters", "ddp_comm_hook", "destroy_group", "gather_counters", "grouped_allreduce",
+    "allreduce", "alltoall", "barrier", "broadcast", "chrome_trace", "counters", "ddp_comm_hook", "destroy_group", "device", "gather_counters", "grouped_allreduce",
     "iallgather", "iallreduce", "ialltoall", "ibarrier", "ibroadcast", "igrouped_allreduce", "init",
     "irecv", "ireduce_scatter", "is_initialized", "isend", "launch", "local_group", "local_rank",
     "local_size", "machine_group", "machine_rank", "machine_size", "new_group", "rank", "recv",

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lowband.devices import check_ranks
 from lowband.errors import InvalidArgumentError, LowbandError
 
 _GUARD = 'if __name__ == "__main__":'
@@ -239,6 +240,8 @@ def launch(
     if not callable(fn):
         raise InvalidArgumentError(f"lowband.launch: fn must be callable, got {type(fn).__name__}")
     _check_main_guard()
+    ik = dict(init_kwargs or {})
+    check_ranks(nprocs, ik.get("device"), ik.get("backend"), "lowband.launch")
     store, port = loopback_store()
     config = LaunchConfig(
         min_nodes=1,

@@ -234,6 +234,13 @@ def _main(argv: Sequence[str]) -> int:
     testbed = any(o.partition("=")[0] in link_flags for o in opts)  # `--rate none` counts
     if ns.timeout is not None:
         os.environ["LOWBAND_TIMEOUT"] = f"{ns.timeout:g}"  # read by lowband.init on every rank
+    if ns.nproc is not None:
+        from lowband.devices import check_ranks
+
+        try:  # every rank binds one GPU (lowband.devices): too many ranks for the GPUs fail here, once
+            check_ranks(ns.nproc, None, None, "lowband run")
+        except InvalidArgumentError as exc:
+            parser.error(str(exc).removeprefix("lowband run: "))
     if not testbed:
         from lowband.launcher import run_command
 

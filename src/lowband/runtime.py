@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
+from lowband import devices
 from lowband.comm.handle import check_timeout
 from lowband.comm.trace import Tracer
 from lowband.config import Config
@@ -38,6 +39,8 @@ class Context:
     world: Group
     tracer: Tracer
     threaded: bool = False
+    #: the device this rank computes on (lowband.device()): cuda:LOCAL_RANK when CUDA is present
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     store: Any = None
     owns_default_pg: bool = False
     local_group: Group | None = None
@@ -90,10 +93,6 @@ def _resolve_local_size(size: int, local_size: int | None) -> int:
     return local_size
 
 
-def _default_backend() -> str:
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
-
-
 def init(
     *,
     backend: str | None = None,
@@ -102,6 +101,8 @@ def init(
     fusion_threshold: int | None = None,
     trace: bool | None = None,
     local_size: int | None = None,
+    device: str | torch.device | None = None,
+    emulate_nccl: bool | None = None,
 ) -> Context:
     """Initialise lowband on this process.
 
@@ -111,6 +112,14 @@ def init(
 
     ``local_size`` ranks form one machine (default: ``LOWBAND_LOCAL_SIZE``, else torchrun's
     ``LOCAL_WORLD_SIZE``, else the whole world); it may be set smaller to emulate several machines.
+    ``device`` (default: ``LOWBAND_DEVICE``, else ``auto``) picks the device this rank computes on and
+    binds it before any process group exists (:mod:`lowband.devices`): with CUDA, ``cuda:LOCAL_RANK``
+    and NCCL's communicator created eagerly for it; ``lowband.device()`` returns it. The default backend
+    is ``cpu:gloo,cuda:nccl`` on a GPU and ``gloo`` on the CPU; whatever the backend, lowband's control
+    messages go on a CPU gloo group of its own.
+    ``emulate_nccl`` (default: ``LOWBAND_EMULATE_NCCL=1``) makes the default process group the
+    NCCL-semantics emulator over gloo (:mod:`lowband.comm.nccl_emulator`, CPU CI): lowband's data group
+    and torch's default group then enforce NCCL's contract; the control group stays plain gloo.
     Calling ``init`` again returns the existing context.
     """
     global _global
@@ -122,19 +131,36 @@ def init(
     check_timeout("lowband.init (LOWBAND_TIMEOUT)", config.timeout)
     td = datetime.timedelta(seconds=config.timeout)
     owns = False
-    if not dist.is_initialized():
-        be = backend or _default_backend()
+    adopted = dist.is_initialized()
+    be = backend if backend is not None or not adopted else str(dist.get_backend())
+    local_guess = devices.env_local("LOCAL_WORLD_SIZE", 1)
+    dev = devices.select(device, devices.env_local("LOCAL_RANK", 0), local_guess, be)
+    devices.bind(dev)
+    if not adopted:
+        from lowband.comm import nccl_emulator
+
+        if emulate_nccl or (emulate_nccl is None and nccl_emulator.enabled_from_env()):
+            if dev.type != "cpu":
+                raise InvalidArgumentError(
+                    "lowband.init: the NCCL emulator runs on CPU tensors; set LOWBAND_DEVICE=cpu with it"
+                )
+            be = nccl_emulator.register_backend()
+        be = be or devices.default_backend(dev)
+        # eager NCCL set-up for this rank's GPU (torch creates the communicator at init, not lazily)
+        eager: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" and "nccl" in be else {}
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             store, r, n = join_env(config.timeout)  # names the ranks that did not join, if any
-            dist.init_process_group(be, store=store, rank=r, world_size=n, timeout=td)
+            dist.init_process_group(be, store=store, rank=r, world_size=n, timeout=td, **eager)
         else:
-            dist.init_process_group(be, store=HashStore(), rank=0, world_size=1, timeout=td)
+            dist.init_process_group(be, store=HashStore(), rank=0, world_size=1, timeout=td, **eager)
         owns = True
     rank, size = dist.get_rank(), dist.get_world_size()
     ls = _resolve_local_size(size, local_size)
     ctl = dist.new_group(list(range(size)), timeout=td, backend="gloo") if size > 1 else None
     world = Group(dist.group.WORLD, tuple(range(size)), rank, "world", ctl=ctl)
-    ctx = Context(rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), owns_default_pg=owns)
+    ctx = Context(
+        rank, size, rank % ls, ls, config, world, Tracer(rank, config.trace), owns_default_pg=owns, device=dev
+    )
     _global = ctx
     _make_hierarchy(ctx)
     atexit.unregister(_at_exit)
@@ -206,6 +232,11 @@ def _new_group(ctx: Context, ranks: list[int], name: str) -> Group | None:
         me, n, td = ranks.index(ctx.rank), len(ranks), ctx.timeout_td()
         pg: Any = dist.ProcessGroupGloo(PrefixStore(f"lowband/group{key}", ctx.store), me, n, td)
         ctl: Any = dist.ProcessGroupGloo(PrefixStore(f"lowband/group{key}-ctl", ctx.store), me, n, td)
+        from lowband.comm import nccl_emulator
+
+        if ctx.state.get(nccl_emulator.STATE_KEY):  # the thread ranks' data groups are emulated too
+            store = PrefixStore(f"lowband/group{key}-emu", ctx.store)
+            pg = nccl_emulator.emulate(pg, store, me, n, name, ctx.config.timeout)
     else:
         pg = dist.new_group(ranks=ranks, timeout=ctx.timeout_td())
         ctl = dist.new_group(ranks=ranks, timeout=ctx.timeout_td(), backend="gloo")
@@ -353,6 +384,11 @@ def world_group(group: Group | None, op: str) -> tuple[Context, Group]:
             f"lowband.{op} on rank {ctx.rank}: group {group.name!r} was destroyed (lowband.destroy_group)"
         )
     return ctx, group
+
+
+def device() -> torch.device:
+    """The device this rank computes on (bound by :func:`init`; see :mod:`lowband.devices`)."""
+    return current("device").device
 
 
 def rank() -> int:

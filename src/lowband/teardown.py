@@ -71,6 +71,8 @@ def break_connections(ctx: Context) -> None:
                 if peer == g.rank:
                     continue
                 try:
-                    pg.recv([torch.empty(1)], peer, _BREAK_TAG).wait(datetime.timedelta(milliseconds=1))
+                    pg.recv([torch.empty(1, device="cpu")], peer, _BREAK_TAG).wait(
+                        datetime.timedelta(milliseconds=1)
+                    )
                 except (RuntimeError, ValueError):
                     pass  # timed out (the connection is closed now), or it was closed already

@@ -48,9 +48,9 @@ def gather_counters() -> dict[int, dict[str, dict[str, int]]]:
         raw = (
             torch.frombuffer(bytearray(mine), dtype=torch.uint8)
             if mine
-            else torch.empty(0, dtype=torch.uint8)
+            else torch.empty(0, dtype=torch.uint8, device="cpu")
         )
-        sizes = allgather(torch.tensor([raw.numel()]), name="gather_counters.sizes")
+        sizes = allgather(torch.tensor([raw.numel()], device="cpu"), name="gather_counters.sizes")
         blob = allgather(raw, sizes=sizes.tolist(), name="gather_counters")
     finally:
         ctx.tracer.enabled = was

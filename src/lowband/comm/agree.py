@@ -102,7 +102,9 @@ def agree(
     inline = len(vals) <= n - _A_INLINE
     if inline:
         row[_A_INLINE : _A_INLINE + len(vals)] = vals
-    rows = exchange(g, torch.tensor(row, dtype=torch.int64), at, ctx.config.timeout, label="agreement")
+    rows = exchange(
+        g, torch.tensor(row, dtype=torch.int64, device="cpu"), at, ctx.config.timeout, label="agreement"
+    )
     for r, other in enumerate(rows):
         if other[F_MAGIC] != MAGIC or other[F_OP] != AGREE_OP:
             from lowband.comm.validate import describe
@@ -126,9 +128,9 @@ def agree(
         names = fields if inline else ["the number of values"]
     else:
         # same count, different hashes: one more allgather of the values themselves
-        out = torch.empty(g.size * len(vals), dtype=torch.int64)
+        out = torch.empty(g.size * len(vals), dtype=torch.int64, device="cpu")
         try:
-            g.control_pg._allgather_base(out, torch.tensor(vals, dtype=torch.int64)).wait(
+            g.control_pg._allgather_base(out, torch.tensor(vals, dtype=torch.int64, device="cpu")).wait(
                 datetime.timedelta(seconds=ctx.config.timeout)
             )
         except RuntimeError as exc:

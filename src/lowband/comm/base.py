@@ -27,8 +27,14 @@ def checking(ctx: Context, g: Group) -> bool:
     return ctx.config.check if g.check is None else g.check
 
 
-def checked_tensor(op: str, ctx: Context, t: object, what: str = "tensor") -> torch.Tensor:
-    return validate.check_tensor(op, ctx.rank, t, what)
+def checked_tensor(
+    op: str, ctx: Context, t: object, what: str = "tensor", g: Group | None = None
+) -> torch.Tensor:
+    """A tensor lowband can send (:func:`validate.check_tensor`) on a device ``g``'s backend moves."""
+    out = validate.check_tensor(op, ctx.rank, t, what)
+    if g is not None:
+        validate.check_device(op, ctx.rank, g, out, what)
+    return out
 
 
 def check_inplace(op: str, ctx: Context, t: torch.Tensor) -> None:

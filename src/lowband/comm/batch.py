@@ -165,11 +165,23 @@ class Channel:
             sent = sum(nbytes(m.tensor) for m in ops if m.kind == SEND and not m.control)
             received = sum(nbytes(m.tensor) for m in ops if m.kind == RECV and not m.control)
             ev = tracer.start(op, name, sent, received, self.group.name)
+        staged: list[tuple[P2POp, torch.Tensor]] = []
+        if any(m.tensor.device.type == "cuda" for m in ops) and _host_staged(self.group.pg):
+            ops = [_stage(m, staged) for m in ops]
         works = self.post(op, ops, name)
         if after_post is not None:
             after_post()
+        done = finish
+        if staged:
+
+            def done() -> T:  # the received host copies into the caller's GPU buffers, then finish
+                for m, host in staged:
+                    if m.abandon_if is None or not m.abandon_if():
+                        m.tensor.copy_(host)
+                return finish()
+
         return Handle(
-            works, finish, op=op, name=name, rank=self.rank, timeout=self.timeout, tracer=tracer, event=ev
+            works, done, op=op, name=name, rank=self.rank, timeout=self.timeout, tracer=tracer, event=ev
         )
 
     def batch(
@@ -183,6 +195,32 @@ class Channel:
     ) -> None:
         """Post ``ops`` and wait for them (at most ``timeout`` seconds, default the channel's)."""
         self.ibatch(op, ops, lambda: None, name=name, trace=trace).wait(timeout)
+
+
+def _host_staged(pg: Any) -> bool:
+    """Whether GPU tensors on ``pg`` must travel through host memory: gloo's point-to-point moves host
+    buffers only (its collectives stage GPU tensors themselves; its send/recv do not). NCCL moves them
+    as they are."""
+    import torch.distributed as dist
+
+    if isinstance(pg, dist.ProcessGroupGloo):
+        return True
+    try:
+        return str(pg._get_backend(torch.device("cuda")).name()) == "gloo"
+    except (RuntimeError, AttributeError):
+        return False  # no backend serves CUDA here: torch's own error names it when the op is posted
+
+
+def _stage(m: P2POp, staged: list[tuple[P2POp, torch.Tensor]]) -> P2POp:
+    """``m`` with a host copy of its GPU tensor (a send's copy taken now; a receive's copied back by
+    the batch's finishing step)."""
+    if m.tensor.device.type != "cuda":
+        return m
+    if m.kind == SEND:
+        return m._replace(tensor=m.tensor.to("cpu"))
+    host = torch.empty_like(m.tensor, device="cpu")
+    staged.append((m, host))
+    return m._replace(tensor=host)
 
 
 def ibatch_p2p(

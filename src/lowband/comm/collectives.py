@@ -48,14 +48,14 @@ def ibroadcast(
 ) -> Handle[torch.Tensor]:
     """Nonblocking broadcast of the root's ``tensor`` (root is a rank of ``group``)."""
     ctx, g = resolve("broadcast", group)
-    t = checked_tensor("broadcast", ctx, tensor)
+    t = checked_tensor("broadcast", ctx, tensor, g=g)
     name = check_name("broadcast", ctx, name)
     root = g.check_rank("broadcast", "root", root)
     if inplace:
         check_inplace("broadcast", ctx, t)
     guard = None
     if checking(ctx, g) and g.size > 1:
-        sig = validate.signature_row("broadcast", t.dtype, t.shape, root, (), g.size)
+        sig = validate.signature_row("broadcast", t.dtype, t.shape, root, (), g.size, t.device)
         _, guard = validate.check("broadcast", g, sig, ctx.config.timeout, arg_name="root")
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     buf = contiguous_flat(out)

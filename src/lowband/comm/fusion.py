@@ -67,7 +67,13 @@ def igrouped_allreduce(
         raise InvalidArgumentError(
             f"lowband.grouped_allreduce on rank {ctx.rank}: tensors must be a list of tensors, got {type(tensors).__name__}"
         )
-    ts = [checked_tensor("grouped_allreduce", ctx, t, f"tensors[{i}]") for i, t in enumerate(tensors)]
+    ts = [checked_tensor("grouped_allreduce", ctx, t, f"tensors[{i}]", g=g) for i, t in enumerate(tensors)]
+    devs = sorted({str(t.device) for t in ts})
+    if len(devs) > 1:
+        raise InvalidArgumentError(
+            f"lowband.grouped_allreduce on rank {ctx.rank}: tensors are on several devices {devs}; "
+            "fusion needs them on one"
+        )
     validate.check_reduce_op("grouped_allreduce", ctx.rank, op, torch.float32)  # the op name, even for []
     for t in ts:
         validate.check_reduce_op("grouped_allreduce", ctx.rank, op, t.dtype)
@@ -83,7 +89,7 @@ def igrouped_allreduce(
     guard = None
     if checking(ctx, g) and p > 1:
         # One signature for the whole list: count, and a hash of every dtype and shape.
-        desc = [d for t in ts for d in (validate.DTYPE_CODES[t.dtype], t.dim(), *t.shape)]
+        desc = [d for t in ts for d in (validate.dtype_code(t.dtype, t.device), t.dim(), *t.shape)]
         sig = validate.signature_row("grouped_allreduce", torch.int64, [len(ts), *desc], OP_ARG[op], (), p)
         _, guard = validate.check("grouped_allreduce", g, sig, ctx.config.timeout, arg_name="op")
     outs = ts if inplace else [t.clone(memory_format=torch.contiguous_format) for t in ts]

@@ -41,7 +41,7 @@ def iallgather(
     pass them as ``sizes`` to skip the size exchange (with check=False the op is then one collective).
     """
     ctx, g = resolve("allgather", group)
-    t = checked_tensor("allgather", ctx, tensor)
+    t = checked_tensor("allgather", ctx, tensor, g=g)
     name = check_name("allgather", ctx, name)
     src = t.reshape(1) if t.dim() == 0 else t
     rest = tuple(src.shape[1:])
@@ -54,7 +54,7 @@ def iallgather(
             )
     guard = None
     if g.size > 1 and (sizes is None or checking(ctx, g)):
-        sig = validate.signature_row("allgather", t.dtype, src.shape, int(t.dim() == 0), (), g.size)
+        sig = validate.signature_row("allgather", t.dtype, src.shape, int(t.dim() == 0), (), g.size, t.device)
         given = sizes
         table, guard = validate.check(
             "allgather",
@@ -136,7 +136,7 @@ def ialltoall(
     split exchange (when check=False).
     """
     ctx, g = resolve("alltoall", group)
-    t = checked_tensor("alltoall", ctx, tensor)
+    t = checked_tensor("alltoall", ctx, tensor, g=g)
     name = check_name("alltoall", ctx, name)
     p = g.size
     if t.dim() == 0:
@@ -159,7 +159,7 @@ def ialltoall(
     )
     guard = None
     if p > 1 and (rsplits is None or checking(ctx, g)):
-        sig = validate.signature_row("alltoall", t.dtype, t.shape, 0, send_splits, p)
+        sig = validate.signature_row("alltoall", t.dtype, t.shape, 0, send_splits, p, t.device)
         col = validate.HEADER + g.rank
         given = rsplits
         table, guard = validate.check(

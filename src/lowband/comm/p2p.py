@@ -57,7 +57,7 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     crc = zlib.crc32(repr(tuple(dims)).encode()) & 0x7FFFFFFF
     head = [_MAGIC, validate.DTYPE_CODES[t.dtype], len(dims), t.numel(), crc]
     head += [dims[i] if i < len(dims) else -1 for i in range(_DIMS)]
-    return torch.tensor(head, dtype=torch.int64)
+    return torch.tensor(head, dtype=torch.int64, device="cpu")
 
 
 def _describe(head: list[int]) -> str:
@@ -104,7 +104,7 @@ def isend(
 ) -> Handle[None]:
     """Nonblocking send of ``tensor`` to rank ``dst`` of ``group``. Do not modify ``tensor`` until waited."""
     ctx, g = resolve("send", group)
-    t = checked_tensor("send", ctx, tensor)
+    t = checked_tensor("send", ctx, tensor, g=g)
     name = check_name("send", ctx, name)
     dst = g.check_rank("send", "dst", dst)
     tag = _check_tag("send", ctx.rank, tag)
@@ -121,7 +121,7 @@ def isend(
         if g.ctl is None:  # no control process group: no answer (a mismatch times out here)
             works = [g.pg.send([head], dst, 2 * tag + 1)]
             return works + ([g.pg.send([buf], dst, 2 * tag)] if buf.numel() else [])
-        reply = torch.empty(1 + _HEAD, dtype=torch.int64)
+        reply = torch.empty(1 + _HEAD, dtype=torch.int64, device="cpu")
         answer = g.ctl.recv([reply], dst, 2 * tag + 1)
         header = g.pg.send([head], dst, 2 * tag + 1)
         data = g.pg.send([buf], dst, 2 * tag) if buf.numel() else None
@@ -142,7 +142,7 @@ def irecv(
 ) -> Handle[torch.Tensor]:
     """Nonblocking receive from rank ``src`` into ``tensor`` (in place); ``wait()`` returns ``tensor``."""
     ctx, g = resolve("recv", group)
-    t = checked_tensor("recv", ctx, tensor)
+    t = checked_tensor("recv", ctx, tensor, g=g)
     name = check_name("recv", ctx, name)
     src = g.check_rank("recv", "src", src)
     tag = _check_tag("recv", ctx.rank, tag)
@@ -150,7 +150,7 @@ def irecv(
         raise InvalidArgumentError(f"lowband.recv on rank {ctx.rank}: cannot receive from itself (src={src})")
     buf = contiguous_flat(t)
     check = checking(ctx, g)
-    head = torch.empty(_HEAD, dtype=torch.int64)
+    head = torch.empty(_HEAD, dtype=torch.int64, device="cpu")
     timeout = ctx.config.timeout
     td = datetime.timedelta(seconds=timeout)
     where = f"lowband.recv on rank {ctx.rank} (from rank {g.ranks[src]}, tag {tag})"
@@ -165,7 +165,7 @@ def irecv(
     def answer(status: int, mine: torch.Tensor) -> Any:
         if g.ctl is None:
             return None
-        return g.ctl.send([torch.cat([torch.tensor([status]), mine])], src, 2 * tag + 1)
+        return g.ctl.send([torch.cat([torch.tensor([status], device="cpu"), mine])], src, 2 * tag + 1)
 
     def finish() -> torch.Tensor:
         if check:
@@ -194,7 +194,7 @@ def irecv(
         try:
             sent = answer(_MISMATCH, mine)
             if dtype is not None and theirs[3] > 0:  # drain the data the sender has posted
-                g.pg.recv([torch.empty(theirs[3], dtype=dtype)], src, 2 * tag).wait(td)
+                g.pg.recv([torch.empty(theirs[3], dtype=dtype, device=t.device)], src, 2 * tag).wait(td)
             if sent is not None:
                 sent.wait(td)
         except RuntimeError:

@@ -123,7 +123,9 @@ class NegotiatedQueue:
     # -- the thread ---------------------------------------------------------------------------------
     def _ready_mask(self) -> torch.Tensor:
         return torch.tensor(
-            [1 if (k in self._tasks and not self._done[k]) else 0 for k in range(self.n)], dtype=torch.int32
+            [1 if (k in self._tasks and not self._done[k]) else 0 for k in range(self.n)],
+            dtype=torch.int32,
+            device="cpu",  # a control value: on a cpu:gloo,cuda:nccl group it goes through gloo
         )
 
     def _run(self) -> None:

@@ -51,14 +51,14 @@ def iallreduce(
     """Nonblocking allreduce. ``op``: 'average' (default), 'sum', 'min', 'max', 'product'.
     Out of place unless ``inplace``; ``wait()`` returns the reduced tensor."""
     ctx, g = resolve("allreduce", group)
-    t = checked_tensor("allreduce", ctx, tensor)
+    t = checked_tensor("allreduce", ctx, tensor, g=g)
     name = check_name("allreduce", ctx, name)
     rop = validate.check_reduce_op("allreduce", ctx.rank, op, t.dtype)
     if inplace:
         check_inplace("allreduce", ctx, t)
     guard = None
     if checking(ctx, g) and g.size > 1:
-        sig = validate.signature_row("allreduce", t.dtype, t.shape, OP_ARG[rop], (), g.size)
+        sig = validate.signature_row("allreduce", t.dtype, t.shape, OP_ARG[rop], (), g.size, t.device)
         _, guard = validate.check("allreduce", g, sig, ctx.config.timeout, arg_name="op")
     out = t if inplace else t.clone(memory_format=torch.contiguous_format)
     buf = contiguous_flat(out)
@@ -105,7 +105,7 @@ def ireduce_scatter(
     """Nonblocking reduce-scatter along dimension 0: rank ``r`` gets the reduction of block ``r`` of
     every rank's tensor (the first dimension must be divisible by the group size)."""
     ctx, g = resolve("reduce_scatter", group)
-    t = checked_tensor("reduce_scatter", ctx, tensor)
+    t = checked_tensor("reduce_scatter", ctx, tensor, g=g)
     name = check_name("reduce_scatter", ctx, name)
     rop = validate.check_reduce_op("reduce_scatter", ctx.rank, op, t.dtype)
     p = g.size
@@ -116,7 +116,7 @@ def ireduce_scatter(
         )
     guard = None
     if checking(ctx, g) and p > 1:
-        sig = validate.signature_row("reduce_scatter", t.dtype, t.shape, OP_ARG[rop], (), p)
+        sig = validate.signature_row("reduce_scatter", t.dtype, t.shape, OP_ARG[rop], (), p, t.device)
         _, guard = validate.check("reduce_scatter", g, sig, ctx.config.timeout, arg_name="op")
     out = torch.empty((t.shape[0] // p, *t.shape[1:]), dtype=t.dtype, device=t.device)
     src = contiguous_flat(t)

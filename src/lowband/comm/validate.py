@@ -95,6 +95,59 @@ def check_tensor(op: str, rank: int, t: object, what: str = "tensor") -> torch.T
     return t
 
 
+#: the device types each torch backend moves (gloo: CUDA tensors staged through host memory)
+_BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}
+#: device types in signatures: a rank calling with a CUDA tensor while another passes a CPU one is a
+#: mismatch (the two would go to different backends of a ``cpu:gloo,cuda:nccl`` group and hang)
+DEVICE_CODES = {"cpu": 0, "cuda": 1}
+_DEVICE_STEP = 1000
+
+
+def backend_devices(backend: str) -> set[str]:
+    """The device types a process group's backend string (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``)
+    can communicate; unknown backends (a user's or an emulator's) are trusted with everything."""
+    out: set[str] = set()
+    for part in backend.lower().split(","):
+        dev, _, name = part.rpartition(":")
+        if name not in _BACKEND_DEVICES:
+            return {"cpu", "cuda", "meta"}
+        out |= {dev} if dev else set(_BACKEND_DEVICES[name])
+    return out
+
+
+def check_device(op: str, rank: int, g: object, t: torch.Tensor, what: str = "tensor") -> None:
+    """``t``'s device type must be one the group's data backend moves (a CPU tensor on an NCCL-only
+    group, a tensor on a device no backend of the group serves), before anything is sent."""
+    pg = getattr(g, "pg", None)
+    if pg is None:
+        return
+    try:
+        import torch.distributed as dist
+
+        backend = str(dist.get_backend(pg))
+    except (RuntimeError, ValueError, AttributeError):
+        return  # a process group torch does not know by name (thread ranks' own gloo groups): gloo
+    if t.device.type not in backend_devices(backend):
+        name = getattr(g, "name", "?")
+        raise InvalidArgumentError(
+            f"lowband.{op} on rank {rank}: {what} is on {t.device} but group {name!r} has backend "
+            f"{backend!r}, which does not move {t.device.type} tensors; move it (tensor.to(lowband.device()) "
+            "for the data group) or use a group whose backend serves that device"
+        )
+
+
+def dtype_code(dtype: torch.dtype, device: torch.device | None = None) -> int:
+    """The signature's dtype field: the dtype and the device type together."""
+    dev = DEVICE_CODES.get(device.type, 9) if device is not None else 0
+    return DTYPE_CODES[dtype] + _DEVICE_STEP * dev
+
+
+def describe_dtype(code: int) -> str:
+    dt = str(CODE_DTYPES.get(code % _DEVICE_STEP, "?")).replace("torch.", "")
+    dev = {v: k for k, v in DEVICE_CODES.items()}.get(code // _DEVICE_STEP, "another device")
+    return dt if code // _DEVICE_STEP == 0 else f"{dt} {dev}"
+
+
 def overlapping(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` may share memory (an expanded tensor, overlapping strides)."""
     dims = sorted((abs(st), n) for st, n in zip(t.stride(), t.shape) if n > 1)
@@ -160,11 +213,18 @@ def _shape_hash(dims: Sequence[int]) -> int:
 
 
 def signature_row(
-    op: str, dtype: torch.dtype, shape: Sequence[int], arg: int, extras: Sequence[int], group_size: int
+    op: str,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    arg: int,
+    extras: Sequence[int],
+    group_size: int,
+    device: torch.device | None = None,
 ) -> list[int]:
-    """The int64 signature one rank contributes: HEADER fields then ``group_size`` op-specific ints."""
+    """The int64 signature one rank contributes: HEADER fields then ``group_size`` op-specific ints
+    (the dtype field carries the tensor's device type too: :func:`dtype_code`)."""
     dims = [int(d) for d in shape]
-    row = [_MAGIC, OP_CODES[op], DTYPE_CODES[dtype], len(dims)]
+    row = [_MAGIC, OP_CODES[op], dtype_code(dtype, device), len(dims)]
     row += [dims[i] if i < len(dims) else -1 for i in range(_MAX_DIMS)]
     row += [_shape_hash(dims[_MAX_DIMS:]), arg]
     row += [int(x) for x in extras]
@@ -176,7 +236,9 @@ def signature(
     op: str, dtype: torch.dtype, shape: Sequence[int], arg: int, extras: Sequence[int], group_size: int
 ) -> torch.Tensor:
     """:func:`signature_row` as a tensor."""
-    return torch.tensor(signature_row(op, dtype, shape, arg, extras, group_size), dtype=torch.int64)
+    return torch.tensor(
+        signature_row(op, dtype, shape, arg, extras, group_size), dtype=torch.int64, device="cpu"
+    )
 
 
 def _arg_text(op: str, arg: int) -> str:
@@ -201,7 +263,7 @@ def describe(row: list[int], args: bool = False) -> str:
     dims = [row[F_DIM0 + i] for i in range(min(max(nd, 0), _MAX_DIMS))]
     more = f", ... ({nd} dims, hash {row[F_HASH]})" if nd > _MAX_DIMS else ""
     shape = "(" + ", ".join(map(str, dims)) + more + ("," if nd == 1 else "") + ")"
-    dt = str(CODE_DTYPES.get(row[F_DTYPE], "?")).replace("torch.", "")
+    dt = describe_dtype(row[F_DTYPE])
     return f"{op} of a {dt} tensor of shape {shape}" + (_arg_text(op, row[F_ARG]) if args else "")
 
 
@@ -271,8 +333,10 @@ def check_rows(
         diff: list[str] = []
         if row[F_OP] != ref[F_OP]:
             diff.append("op")
-        if row[F_DTYPE] != ref[F_DTYPE]:
+        if row[F_DTYPE] % _DEVICE_STEP != ref[F_DTYPE] % _DEVICE_STEP:
             diff.append("dtype")
+        if row[F_DTYPE] // _DEVICE_STEP != ref[F_DTYPE] // _DEVICE_STEP:
+            diff.append("device")
         lo = F_DIM0 + 1 if vary_dim0 else F_DIM0
         if row[F_NDIM] != ref[F_NDIM] or row[lo:F_ARG] != ref[lo:F_ARG]:
             diff.append("shape")

@@ -53,7 +53,7 @@ def exchange(
     called the same op with the same dtype and shape (only the first dimension may differ if
     ``vary_dim0``): every rank raises the same :class:`CollectiveMismatchError` otherwise."""
     rows = agree.exchange(g, row, f"lowband.{op} on rank {g.world_rank} (topology check)", timeout)
-    validate.check_rows(op, g, torch.tensor(rows, dtype=torch.int64), vary_dim0=vary_dim0)
+    validate.check_rows(op, g, torch.tensor(rows, dtype=torch.int64, device="cpu"), vary_dim0=vary_dim0)
     return rows
 
 

@@ -136,8 +136,8 @@ def win_create(
         raise InvalidArgumentError(
             f"{at}: tensor has dtype {tensor.dtype}; windows hold floating-point tensors (weights apply)"
         )
-    if tensor.device.type != "cpu":
-        raise InvalidArgumentError(f"{at}: tensor is on {tensor.device}; windows live on the CPU")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"{at}: tensor is on {tensor.device}; windows live on the CPU or a GPU")
     zero_init = check_flag(at, "zero_init", zero_init)
     reg = registry(ctx)
     if name in reg.by_name:

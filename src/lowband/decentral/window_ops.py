@@ -69,11 +69,13 @@ def _push(
     )
     check_neighbors(at, "dst_weights", list(dsts), rec.out_nbrs, "out-neighbor")
     mutexed = check_flag(at, "require_mutex", require_mutex)
-    # Snapshot the scaled copies now: the caller may change ``tensor`` as soon as this returns.
+    # Snapshot the scaled copies now: the caller may change ``tensor`` as soon as this returns. The
+    # window service's wire is a private gloo channel: a window on a GPU is staged through host memory.
     copies: dict[float, Tensor] = {}
     for w in dsts.values():
         if w not in copies:
-            copies[w] = contiguous_flat(t.clone(memory_format=torch.contiguous_format) if w == 1.0 else t * w)
+            snap = t.clone(memory_format=torch.contiguous_format) if w == 1.0 else t * w
+            copies[w] = contiguous_flat(snap.to("cpu"))
     if sw != 1.0:
         with rec.lock:
             t.mul_(sw)
@@ -176,7 +178,8 @@ def _fetch(op: str, name: str, src_weights: Mapping[int, float] | None, require_
     mutexed = check_flag(at, "require_mutex", require_mutex)
     peers = sorted(srcs)
     data = rec.data
-    replies = {s: torch.empty(data.numel(), dtype=data.dtype) for s in peers}
+    # host staging buffers (the window service's wire is a gloo channel; see _push)
+    replies = {s: torch.empty(data.numel(), dtype=data.dtype, device="cpu") for s in peers}
     statuses: list[Tensor] = []
     ops: list[P2POp] = []
     for s in peers:
@@ -199,7 +202,7 @@ def _fetch(op: str, name: str, src_weights: Mapping[int, float] | None, require_
             for s in peers:
                 buf = rec.buffers[s]
                 w = srcs[s]
-                val = replies[s].view(buf.shape)
+                val = replies[s].view(buf.shape).to(buf.device)
                 buf.copy_(val) if w == 1.0 else torch.mul(val, w, out=buf)
                 rec.versions[s] += 1
         return True

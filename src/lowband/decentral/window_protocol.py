@@ -80,11 +80,11 @@ class Request:
 
 def encode(kind: int, wid: int, tag: int, *, mutexed: bool, numel: int, dtype: torch.dtype) -> torch.Tensor:
     flags = F_MUTEX if mutexed else 0
-    return torch.tensor([kind, wid, flags, tag, numel, DTYPE_CODES[dtype]], dtype=torch.int64)
+    return torch.tensor([kind, wid, flags, tag, numel, DTYPE_CODES[dtype]], dtype=torch.int64, device="cpu")
 
 
 def stop_header() -> torch.Tensor:
-    return torch.tensor([STOP, -1, 0, 0, 0, 0], dtype=torch.int64)
+    return torch.tensor([STOP, -1, 0, 0, 0, 0], dtype=torch.int64, device="cpu")
 
 
 def decode(where: str, vals: Sequence[int]) -> Request:
@@ -110,7 +110,7 @@ def request_ops(
 ) -> tuple[list[P2POp], torch.Tensor]:
     """The messages of one request to ``dst`` (the answer's receives first, then the header and the
     payload) and the status tensor (valid once they completed). ``reply`` receives GET's data."""
-    status = torch.full((1,), NO_ANSWER, dtype=torch.int64)
+    status = torch.full((1,), NO_ANSWER, dtype=torch.int64, device="cpu")
 
     def refused() -> bool:
         return int(status.item()) not in (NO_ANSWER, OK)

@@ -212,7 +212,7 @@ class WindowService:
     def _loop(self, src: int) -> None:
         where = f"lowband window service on rank {self.rank}"
         while True:
-            hdr = torch.empty(wp.HEADER, dtype=torch.int64)
+            hdr = torch.empty(wp.HEADER, dtype=torch.int64, device="cpu")
             try:
                 self.channel.batch(
                     "window_service",
@@ -251,7 +251,7 @@ class WindowService:
         if req.kind in (PUT, ACCUMULATE) and req.numel:
             if status == OK or req.nbytes <= limit:
                 # within the window's size: received (and dropped if refused) so the pair stays in order
-                payload = torch.empty(req.numel, dtype=req.dtype)
+                payload = torch.empty(req.numel, dtype=req.dtype, device="cpu")  # host staging
                 self.channel_recv(payload, src, wp.TAG_PAYLOAD, where)
             else:
                 held = (
@@ -275,7 +275,7 @@ class WindowService:
     def _dispatch(self, rec: WindowRecord, src: int, req: Request, payload: torch.Tensor | None) -> None:
         tag = req.tag
         if req.kind in (PUT, ACCUMULATE):
-            pl = torch.empty(0, dtype=req.dtype) if payload is None else payload
+            pl = torch.empty(0, dtype=req.dtype, device="cpu") if payload is None else payload
             add = req.kind == ACCUMULATE
             rec.mutex.submit(
                 src,
@@ -311,18 +311,18 @@ class WindowService:
     def _apply(self, rec: WindowRecord, src: int, payload: torch.Tensor, add: bool, tag: int) -> None:
         with rec.lock:
             buf = rec.buffers[src]
-            val = payload.view(buf.shape)
+            val = payload.view(buf.shape).to(buf.device)  # staged on the host (a GPU window)
             buf.add_(val) if add else buf.copy_(val)
             rec.versions[src] += 1
         self._reply(src, tag, OK)
 
     def _answer_get(self, rec: WindowRecord, src: int, tag: int) -> None:
         with rec.lock:
-            snap = rec.data.clone(memory_format=torch.contiguous_format).view(-1)
+            snap = rec.data.clone(memory_format=torch.contiguous_format).view(-1).to("cpu")
         self._reply(src, tag, OK, snap)
 
     def _reply(self, dst: int, tag: int, status: int, data: torch.Tensor | None = None) -> None:
-        ops = [send_op(torch.tensor([status], dtype=torch.int64), dst, tag, control=True)]
+        ops = [send_op(torch.tensor([status], dtype=torch.int64, device="cpu"), dst, tag, control=True)]
         if data is not None and data.numel():
             ops.append(send_op(data, dst, tag + 1))
         self.channel.batch("window_service", ops, name=f"reply to rank {dst}", trace=len(ops) > 1)

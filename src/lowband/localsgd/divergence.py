@@ -42,4 +42,4 @@ def model_divergence(
         flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in ps])
         mean = allreduce(flat, "average", group=g)
         sq += float(((flat - mean) ** 2).sum())
-    return float(allreduce(torch.tensor([sq], dtype=torch.float64), "average", group=g)[0])
+    return float(allreduce(torch.tensor([sq], dtype=torch.float64, device="cpu"), "average", group=g)[0])

@@ -85,7 +85,8 @@ def measure_interference(
         return 0.0, 0.0
     fast = g.unchecked()
     timeout = ctx.config.timeout
-    buf = torch.zeros(nb // 4, dtype=torch.float32)
+    dev = params[0].device  # the link training uses: NCCL for a model on a GPU
+    buf = torch.zeros(nb // 4, dtype=torch.float32, device=dev)
     quiet_pass: list[float] = []
     quiet_comm: list[float] = []
     busy_pass: list[float] = []
@@ -93,16 +94,16 @@ def measure_interference(
     with _preserved(model, params):
         allreduce(buf, inplace=True, group=g)  # warm-up; with the check on, the ranks' sizes are validated
         _one_pass(model, loss_fn, params, where)  # warm-up
-        tick = torch.zeros(1)
+        tick = torch.zeros(1, device=dev)
         for _ in range(repeats):
             # every rank computes at once, as in training: on shared cores a pass run while the other
             # ranks idle would be faster than any training step and inflate kappa
             allreduce(tick, inplace=True, group=fast)
             quiet_pass.append(_one_pass(model, loss_fn, params, where))
             quiet_pass.append(_one_pass(model, loss_fn, params, where))
-            t0 = time.perf_counter()
+            t0 = _sync(dev)
             allreduce(buf, inplace=True, group=fast)  # also lines the ranks up for (c)
-            quiet_comm.append(time.perf_counter() - t0)
+            quiet_comm.append(_sync(dev) - t0)
             t0 = time.perf_counter()
             done_at = iallreduce(buf, inplace=True, group=fast).then(lambda _t: time.perf_counter())
             passes: list[tuple[float, float]] = []  # (seconds, end time)
@@ -117,6 +118,6 @@ def measure_interference(
             busy_pass.append(statistics.median(full))
     kappa = _ratio_excess(statistics.median(busy_pass), statistics.median(quiet_pass))
     sigma = _ratio_excess(statistics.median(busy_comm), statistics.median(quiet_comm))
-    table = allgather(torch.tensor([[kappa, sigma]], dtype=torch.float64), group=g)
+    table = allgather(torch.tensor([[kappa, sigma]], dtype=torch.float64, device="cpu"), group=g)
     rows = table.tolist()  # the median over ranks: one rank's noisy estimate does not set it
     return float(statistics.median(r[0] for r in rows)), float(statistics.median(r[1] for r in rows))

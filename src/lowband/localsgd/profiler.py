@@ -121,12 +121,18 @@ def with_comm(profile: CostProfile, alpha: float, beta: float) -> CostProfile:
 
 
 def measure_comm(
-    group: Group | None = None, sizes: Sequence[int] | None = None, repeats: int = 3
+    group: Group | None = None,
+    sizes: Sequence[int] | None = None,
+    repeats: int = 3,
+    device: torch.device | None = None,
 ) -> tuple[float, float, list[tuple[int, float]]]:
     """Time blocking allreduces of float32 buffers of ``sizes`` bytes on ``group`` (every rank calls it)
     and fit ``alpha + beta * bytes``. Returns ``(alpha, beta, samples)``, identical on every rank: the
-    median of ``repeats`` timings per size, then the MAX across ranks (one allreduce)."""
+    median of ``repeats`` timings per size, then the MAX across ranks (one allreduce). The buffers live
+    on ``device`` (default: the rank's, :func:`lowband.device`), so on a GPU the path training uses (NCCL)
+    is the one timed; a CUDA timing ends when the device has finished (``torch.cuda.synchronize``)."""
     ctx, g = world_group(group, "measure_comm")
+    dev = ctx.device if device is None else torch.device(device)
     where = f"measure_comm on rank {ctx.rank}"
     repeats = _check_int(where, "repeats", repeats, 1)
     raw = list(COMM_SIZES if sizes is None else sizes)
@@ -140,15 +146,16 @@ def measure_comm(
     fast = g.unchecked()
     medians: list[float] = []
     for nb in nbs:
-        buf = torch.zeros(nb // 4, dtype=torch.float32)
+        buf = torch.zeros(nb // 4, dtype=torch.float32, device=dev)
         allreduce(buf, inplace=True, group=g)  # warm-up; with the check on, the ranks' sizes are validated
         ts = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = _sync(dev)
             allreduce(buf, inplace=True, group=fast)
-            ts.append(time.perf_counter() - t0)
+            ts.append(_sync(dev) - t0)
         medians.append(statistics.median(ts))
-    red = allreduce(torch.tensor(medians, dtype=torch.float64), "max", group=g)
+    # host-side timings (a CPU tensor: on a cpu:gloo,cuda:nccl group it goes through gloo)
+    red = allreduce(torch.tensor(medians, dtype=torch.float64, device="cpu"), "max", group=g)
     samples = [(nb, float(t)) for nb, t in zip(nbs, red.tolist())]
     alpha, beta = fit_comm(samples)
     return alpha, beta, samples
@@ -170,11 +177,14 @@ def refit_comm(
 
 @contextmanager
 def _preserved(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
-    """Run the body with the CPU RNG state forked, then restore ``params``' gradients and the buffers."""
+    """Run the body with the RNG states forked (the CPU's and those of the GPUs ``params`` live on: the
+    profiled passes must not move the training run's dropout streams), then restore ``params``'
+    gradients and the buffers."""
     saved_grads = [p.grad for p in params]
     saved_buffers = [b.detach().clone() for b in model.buffers()]
+    gpus = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=gpus):
             yield
     finally:
         with torch.no_grad():
@@ -316,7 +326,7 @@ def profile_model(
     orders: list[tuple[int, ...]] = []
     walls: list[float] = []
     try:
-        tick, fast = torch.zeros(1), g.unchecked()
+        tick, fast = torch.zeros(1, device=params[0].device), g.unchecked()  # on the data's device
         with _preserved(model, params):
             for it in range(warmup + repeats):
                 # all ranks compute at once, as in training (on shared cores a lone rank runs faster)
@@ -337,7 +347,7 @@ def profile_model(
     pos = [0.0] * n
     for k, i in enumerate(order):
         pos[i] = float(k)
-    row = torch.tensor([*fwd, *bwd, *pos, *walls], dtype=torch.float64)
+    row = torch.tensor([*fwd, *bwd, *pos, *walls], dtype=torch.float64, device="cpu")  # host timings
     table = allgather(row, group=g).view(g.size, 3 * n + repeats)
     fwd = table[:, :n].amax(0).tolist()
     bwd = table[:, n : 2 * n].amax(0).tolist()
@@ -351,7 +361,7 @@ def profile_model(
         fwd = [x * typical / hooked for x in fwd]
         bwd = [x * typical / hooked for x in bwd]
     sizes = comm_sizes_for(max(nbytes)) if comm_sizes is None else comm_sizes
-    alpha, beta, _ = measure_comm(g, sizes, comm_repeats)
+    alpha, beta, _ = measure_comm(g, sizes, comm_repeats, device=params[0].device)
     costs = tuple(
         LayerCost(layers[i][0], fwd[i], bwd[i], alpha + beta * nbytes[i], nbytes[i]) for i in reversed(order)
     )

@@ -124,8 +124,10 @@ class ScheduledStrategy(Strategy):
         self.synchronize()
         samples = self.averager.take_comm_samples()
         local = torch.tensor(
-            [sum(t for _, t in samples), float(sum(nb for nb, _ in samples))], dtype=torch.float64
-        )
+            [sum(t for _, t in samples), float(sum(nb for nb, _ in samples))],
+            dtype=torch.float64,
+            device="cpu",
+        )  # host timings
         tot_s, tot_b = allreduce(local, "sum", group=self.averager.group).tolist()
         if tot_b <= 0 or tot_s <= 0:
             return

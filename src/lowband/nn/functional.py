@@ -102,7 +102,10 @@ def _tensor(op: str, rank: int, x: object) -> torch.Tensor:
 
 
 def _exchange_dim0(n: int, group: Group) -> list[int]:
-    return [int(v) for v in comm.allgather(torch.tensor([n], dtype=torch.int64), group=group).tolist()]
+    return [
+        int(v)
+        for v in comm.allgather(torch.tensor([n], dtype=torch.int64, device="cpu"), group=group).tolist()
+    ]
 
 
 # ---------------------------------------------------------------- reduce-scatter (also allgather's transpose)
@@ -247,7 +250,7 @@ def ialltoall(
     else:
         send = validate.check_splits("nn.alltoall", ctx.rank, "splits", splits, p, n0)
     if recv_splits is None:
-        got = comm.alltoall(torch.tensor(send, dtype=torch.int64), group=group)[0]
+        got = comm.alltoall(torch.tensor(send, dtype=torch.int64, device="cpu"), group=group)[0]
         recv = [int(v) for v in got.tolist()]
     else:
         recv = validate.check_splits("nn.alltoall", ctx.rank, "recv_splits", recv_splits, p, None)

@@ -77,6 +77,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def nccl_env(ifname: str) -> dict[str, str]:
+    """NCCL's settings for ranks on emulated links: its traffic must cross the shaped interface like
+    gloo's, so its same-host shortcuts (CUDA peer-to-peer, shared memory) and InfiniBand are off and its
+    sockets bind to the rank's interface."""
+    return {
+        "NCCL_SOCKET_IFNAME": ifname,
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_SHM_DISABLE": "1",
+        "NCCL_IB_DISABLE": "1",
+    }
+
+
 class Testbed:
     """N ranks on emulated links; a context manager that removes everything it made on exit.
 
@@ -182,6 +194,9 @@ class Testbed:
             "GLOO_SOCKET_IFNAME": self.ifname(rank),
             "LOWBAND_TESTBED_IFNAME": self.ifname(rank),
             "LOWBAND_TESTBED_SHAPED": "1" if self.shaped else "0",
+            # the emulated machines share this host's GPUs: rank r computes on GPU r (lowband.devices)
+            "LOWBAND_CUDA_INDEX": str(rank),
+            **nccl_env(self.ifname(rank)),
         }
 
     # life cycle ----------------------------------------------------------------------------------
@@ -306,6 +321,7 @@ class Testbed:
             )
         ifname = RANK_IF if self.shaped else "lo"
         return {
+            **nccl_env(ifname),
             "GLOO_SOCKET_IFNAME": ifname,
             "LOWBAND_TESTBED_IFNAME": ifname,
             "LOWBAND_TESTBED_SHAPED": "1" if self.shaped else "0",

@@ -246,8 +246,12 @@ def _gather_lists(where: str, mine: list[int]) -> Lists:
     ctx = current(where)
     at = f"{_MOD}.{where} on rank {ctx.rank}"
     check_rank_list(at, "ranks", mine, ctx.rank, ctx.size)
-    lens = lowband.allgather(torch.tensor([len(mine)], dtype=torch.int64), name=f"{where}.degrees")
-    flat = lowband.allgather(torch.tensor(mine, dtype=torch.int64), name=f"{where}.ranks").tolist()
+    lens = lowband.allgather(
+        torch.tensor([len(mine)], dtype=torch.int64, device="cpu"), name=f"{where}.degrees"
+    )
+    flat = lowband.allgather(
+        torch.tensor(mine, dtype=torch.int64, device="cpu"), name=f"{where}.ranks"
+    ).tolist()
     out: Lists = []
     pos = 0
     for k in lens.tolist():

@@ -62,14 +62,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         raise InvalidArgumentError(
             f"{_MOD}.{op} on rank {ctx.rank}: cannot broadcast torch.optim.LBFGS state"
         )
-    payload = torch.empty(0, dtype=torch.uint8)
+    payload = torch.empty(0, dtype=torch.uint8, device="cpu")
     if ctx.rank == root_rank:
         buf = io.BytesIO()
         torch.save(optimizer.state_dict(), buf)
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    n = lowband.broadcast(torch.tensor([payload.numel()], dtype=torch.int64), root_rank, name=f"{op}.size")
+    n = lowband.broadcast(
+        torch.tensor([payload.numel()], dtype=torch.int64, device="cpu"), root_rank, name=f"{op}.size"
+    )
     if ctx.rank != root_rank:
-        payload = torch.empty(int(n.item()), dtype=torch.uint8)
+        payload = torch.empty(int(n.item()), dtype=torch.uint8, device="cpu")
     payload = lowband.broadcast(payload, root_rank, name=op)
     if ctx.rank != root_rank:
         state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
