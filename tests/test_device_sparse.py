@@ -5,9 +5,11 @@ a device lands on ``meta`` and fails when mixed with the CPU ones, or comes back
 must equal the same run without the meta context, bit for bit (every EmbRace schedule, the parameter
 servers, sparse-allgather, ddp-sparse, the lazy optimizers, the pure row maths and the bench's ops).
 
-The ``cuda`` tests run the same at 2 thread ranks with the model on CUDA over gloo (one GPU shared by
-the thread ranks; gloo moves CUDA tensors staged through host memory) and compare with the CPU run
-(float64, within 1e-9: the GPU's kernels may sum in another order)."""
+The ``cuda`` tests run the same at 2 ranks with the model on CUDA over gloo (one GPU shared by the
+ranks; gloo moves CUDA tensors staged through host memory) and compare with the CPU run (float64, within
+1e-9: the GPU's kernels may sum in another order). They use processes, not thread ranks: autograd runs
+every CUDA backward of a process on one device thread, which thread ranks would share (a blocking
+exchange in one rank's backward would hold up the other's) and which has no thread rank's context."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from torch import nn
 import lowband
 import lowband.bench.embedding_ops
 from lowband.bench.collectives import _OPS
-from lowband.runtime import world_group
+from lowband.runtime import current, world_group
 from lowband.sparse.embedding import PartitionedEmbedding
 from lowband.sparse.exchange import mask_counts, sum_blocks
 from lowband.sparse.lazy import lazy_step, sparse_rows
@@ -61,6 +63,12 @@ def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _compute_on(device: str) -> None:
+    """Thread ranks compute on the CPU unless told: the CUDA runs bind this rank to the GPU (what
+    ``lowband.init(device='cuda')`` does for a process)."""
+    current("test").device = torch.device(device)
+
+
 def _meta_backward(tables: Iterable[PartitionedEmbedding]) -> None:
     """The autograd engine runs backward without the forward's device context, so the tables'
     backward (the gradient exchange, or the vertical schedule's sink) enters it again here."""
@@ -78,6 +86,7 @@ def _embrace(schedule: str, kind: str, meta: bool, device: str, pad: bool = True
     """Rank's local model after ``STEPS`` steps of ``embrace:schedule`` (``+overlap``): model, batches
     and strategy built outside the meta context, the steps inside it."""
     r = lowband.rank()
+    _compute_on(device)
     name, _, extra = schedule.partition("+")
     model = Net(padding_idx=0 if pad else None).to(device)
     batches = [tuple(t.to(device) for t in batch(r, k)) for k in range(STEPS + 1)]
@@ -106,6 +115,7 @@ def _embrace(schedule: str, kind: str, meta: bool, device: str, pad: bool = True
 def _baseline(spec: str, meta: bool, device: str) -> dict[str, torch.Tensor]:
     """Rank's model after ``STEPS`` steps of an embedding baseline (its loss' target made outside)."""
     r = lowband.rank()
+    _compute_on(device)
     name, opts = parse_strategy_spec(spec)
     model = em.model().to(device)
     batches = [tuple(t.to(device) for t in em.batch(r, k)) for k in range(STEPS)]
@@ -247,7 +257,9 @@ def test_bench_embedding_ops_follow_the_buffer() -> None:
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_embrace_on_cuda_equals_the_cpu_run(schedule: str) -> None:
     want = run_threads(_embrace, 2, schedule, "adam", False, "cpu", timeout=120)
-    got = run_threads(_embrace, 2, schedule, "adam", False, "cuda", timeout=120)
+    got = run_processes(
+        _embrace, 2, schedule, "adam", False, "cuda", timeout=300, backend="gloo", device="cuda"
+    )
     _same(got, want, 1e-9)
 
 
@@ -256,5 +268,5 @@ def test_embrace_on_cuda_equals_the_cpu_run(schedule: str) -> None:
 @pytest.mark.parametrize("spec", BASELINES)
 def test_baselines_on_cuda_equal_the_cpu_run(spec: str) -> None:
     want = run_threads(_baseline, 2, spec, False, "cpu", timeout=120)
-    got = run_threads(_baseline, 2, spec, False, "cuda", timeout=120)
+    got = run_processes(_baseline, 2, spec, False, "cuda", timeout=300, backend="gloo", device="cuda")
     _same(got, want, 1e-9)
