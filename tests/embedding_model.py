@@ -51,7 +51,7 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     logits = m(*b)
-    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.int64))
+    return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.int64, device=logits.device))
 
 
 def loss_fn(rank: int, step: int) -> Callable[[nn.Module], torch.Tensor]:

@@ -239,9 +239,9 @@ def launch(
         raise InvalidArgumentError(f"lowband.launch: nprocs must be an int >= 1, got {nprocs!r}")
     if not callable(fn):
         raise InvalidArgumentError(f"lowband.launch: fn must be callable, got {type(fn).__name__}")
-    _check_main_guard()
     ik = dict(init_kwargs or {})
     check_ranks(nprocs, ik.get("device"), ik.get("backend"), "lowband.launch")
+    _check_main_guard()
     store, port = loopback_store()
     config = LaunchConfig(
         min_nodes=1,

@@ -115,7 +115,8 @@ def init(
     ``device`` (default: ``LOWBAND_DEVICE``, else ``auto``) picks the device this rank computes on and
     binds it before any process group exists (:mod:`lowband.devices`): with CUDA, ``cuda:LOCAL_RANK``
     and NCCL's communicator created eagerly for it; ``lowband.device()`` returns it. The default backend
-    is ``cpu:gloo,cuda:nccl`` on a GPU and ``gloo`` on the CPU; whatever the backend, lowband's control
+    (``backend``, else ``LOWBAND_BACKEND``) is ``cpu:gloo,cuda:nccl`` on a GPU and ``gloo`` on the CPU
+    (``gloo`` lets several ranks share one GPU); whatever the backend, lowband's control
     messages go on a CPU gloo group of its own.
     ``emulate_nccl`` (default: ``LOWBAND_EMULATE_NCCL=1``) makes the default process group the
     NCCL-semantics emulator over gloo (:mod:`lowband.comm.nccl_emulator`, CPU CI): lowband's data group
@@ -132,6 +133,7 @@ def init(
     td = datetime.timedelta(seconds=config.timeout)
     owns = False
     adopted = dist.is_initialized()
+    backend = backend if backend is not None else (os.environ.get("LOWBAND_BACKEND") or None)
     be = backend if backend is not None or not adopted else str(dist.get_backend())
     local_guess = devices.env_local("LOCAL_WORLD_SIZE", 1)
     dev = devices.select(device, devices.env_local("LOCAL_RANK", 0), local_guess, be)
