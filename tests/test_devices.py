@@ -203,3 +203,22 @@ def test_windows_on_each_device(device: str) -> None:
     (the window service's gloo channel)."""
     out = run_processes(_window, 2, device, timeout=120, backend="gloo", device=device)
     assert out[0] == out[1] and len(out[0]) == 4
+
+
+def test_gpu_check_skips_every_gpu_check_without_cuda(tmp_path: object) -> None:
+    """scripts/gpu-check on a CPU machine: SKIP per GPU check, exit 0 (the CPU-side suites it also runs
+    are this test suite's own files)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: scripts/gpu-check runs the checks for real")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(
+        [sys.executable, str(root / "scripts" / "gpu_check.py"), "--skip-cpu", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=root,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    skips = [line for line in out.stdout.splitlines() if line.startswith("SKIP")]
+    assert len(skips) == 5 and all("no CUDA here" in s for s in skips), out.stdout
