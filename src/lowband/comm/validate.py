@@ -41,8 +41,10 @@ rank's local argument errors are raised before anything is published.
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -115,19 +117,39 @@ def backend_devices(backend: str) -> set[str]:
     return out
 
 
+#: per process group: (its backend's name, the device types it moves); weak, so a destroyed group's
+#: sockets are not kept alive
+_SERVED: weakref.WeakKeyDictionary[Any, tuple[str, set[str]]] = weakref.WeakKeyDictionary()
+
+
+def _served(pg: Any) -> tuple[str, set[str]]:
+    try:
+        got = _SERVED.get(pg)
+    except TypeError:  # not weakly referable
+        got = None
+    if got is None:
+        import torch.distributed as dist
+
+        try:
+            backend = str(dist.get_backend(pg))
+        except (RuntimeError, ValueError, AttributeError):
+            backend = "?"  # a group torch does not know by name (thread ranks' own gloo groups): trusted
+        got = (backend, backend_devices(backend))
+        try:
+            _SERVED[pg] = got
+        except TypeError:  # not weakly referable: looked up again next time
+            pass
+    return got
+
+
 def check_device(op: str, rank: int, g: object, t: torch.Tensor, what: str = "tensor") -> None:
     """``t``'s device type must be one the group's data backend moves (a CPU tensor on an NCCL-only
     group, a tensor on a device no backend of the group serves), before anything is sent."""
     pg = getattr(g, "pg", None)
     if pg is None:
         return
-    try:
-        import torch.distributed as dist
-
-        backend = str(dist.get_backend(pg))
-    except (RuntimeError, ValueError, AttributeError):
-        return  # a process group torch does not know by name (thread ranks' own gloo groups): gloo
-    if t.device.type not in backend_devices(backend):
+    backend, devs = _served(pg)
+    if t.device.type not in devs:
         name = getattr(g, "name", "?")
         raise InvalidArgumentError(
             f"lowband.{op} on rank {rank}: {what} is on {t.device} but group {name!r} has backend "
