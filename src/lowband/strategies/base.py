@@ -50,7 +50,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.nn.sharding import ShardSpec, gather_full, shard_specs
 from lowband.optim.scaling import GradUnscaler
-from lowband.strategies import sharded_state
+from lowband.strategies import digest, sharded_state
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module], torch.Tensor]
@@ -87,6 +87,9 @@ class Strategy:
     grad_scaler: torch.amp.GradScaler | None = None
     unscaler: GradUnscaler | None = None
     _grads_unscaled: bool = False
+    #: the configuration every rank agreed on when make_strategy built it (lowband.strategies.digest);
+    #: its options go into checkpoints and are compared when one is loaded (None: built directly)
+    agreed_config: dict[str, str] | None = None
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Group) -> None:
         self.local_module = model
@@ -279,6 +282,8 @@ class Strategy:
         }
         if self.shards:
             state["sharding"] = self._layout(self.shards, full=False)
+        if self.agreed_config is not None:  # what the state means, checked when it is loaded
+            state["config"] = digest.checkpoint_config(self.agreed_config)
         return state
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -348,6 +353,7 @@ class Strategy:
                 f"{type(self).__name__}.load_state_dict: checkpoint is for strategy {state.get('strategy')!r}, "
                 f"not {self.name!r}"
             )
+        digest.check_checkpoint(self, state)  # collective: the ranks load one save, of these options
         state = self._localize(state)
         self.steps = int(state["steps"])
         self.local_module.load_state_dict(state["model"])

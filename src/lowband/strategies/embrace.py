@@ -51,7 +51,7 @@ from lowband.runtime import open_member_group, world_group
 from lowband.sparse.embedding import PartitionedEmbedding
 from lowband.sparse.lazy import lazy_optimizer
 from lowband.sparse.vertical import VerticalSchedule
-from lowband.strategies import sharded_state
+from lowband.strategies import digest, sharded_state
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.embrace_blocks import BlockSchedule
 from lowband.strategies.registry import register_strategy
@@ -318,6 +318,7 @@ class EmbraceStrategy(Strategy):
             raise InvalidArgumentError(
                 f"EmbraceStrategy.load_state_dict: checkpoint is for strategy {state.get('strategy')!r}, not 'embrace'"
             )
+        digest.check_checkpoint(self, state)  # collective: the ranks load one save, of these options
         state = self._localize(state)
         self.steps = int(state["steps"])
         self.local_module.load_state_dict(state["model"])

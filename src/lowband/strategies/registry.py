@@ -15,6 +15,7 @@ from lowband.optim.factory import as_optimizer_factory
 from lowband.registry import Registry, parse_spec
 from lowband.runtime import world_group
 from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.digest import agree_values, strategy_config
 
 StrategyFactory = Callable[..., Strategy]
 
@@ -69,10 +70,18 @@ def make_strategy(
     every rank starts from rank 0's parameters and buffers, as torch DDP does (broadcast once the
     strategy's arguments are checked); collective. The model must be on this rank's kind of device
     (:func:`check_model_device`)."""
-    factory = STRATEGIES.get(name)
-    STRATEGIES.check_options(name, options)
     where = f"make_strategy({name!r})"
     ctx, g = world_group(group, where)
+    # every rank's configuration agreed before anything else: a differing option, model or name is one
+    # error on every rank, naming it (a name or option known on one rank only included)
+    known = STRATEGIES.get(name) if name in STRATEGIES else None
+    config = strategy_config(name, known, options, model)
+    agree_values(
+        g, "strategy configurations", config, where=f"{where} on rank {g.rank}",
+        fix="give every rank the same strategy, options and model",
+    )  # fmt: skip
+    factory = STRATEGIES.get(name)
+    STRATEGIES.check_options(name, options)
     check_model_device(f"{where} on rank {g.rank}", model, ctx.device)
     make = as_optimizer_factory(make_optimizer, where, model.parameters())
     if not isinstance(broadcast_init, bool):
@@ -81,4 +90,5 @@ def make_strategy(
         # the constructor broadcasts once its arguments are checked; if it did not, it happens here
         strategy = factory(model, make, g, **options)
         broadcast_initial_state(model, group=g, where=f"{where} on rank {g.rank}")
+    strategy.agreed_config = config  # saved in its checkpoints, compared when one is loaded
     return strategy
