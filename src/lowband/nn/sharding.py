@@ -97,7 +97,13 @@ class Sharded(Protocol):
 
 
 def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
-    """Every sharded parameter of ``model``, by its name in ``model.state_dict()``."""
+    """Every sharded parameter of ``model``, by its names in ``model.state_dict()``: a shard registered
+    under several names (a Sharded module at several paths, or its parameter tied into another module)
+    is listed under each, so no name of it is ever taken for a replica (broadcast, averaged or saved
+    uncut in a full checkpoint)."""
+    names: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
     out: dict[str, ShardSpec] = {}
     for prefix, m in model.named_modules():
         declared = m.shard_specs() if isinstance(m, Sharded) else None
@@ -109,7 +115,8 @@ def shard_specs(model: nn.Module) -> dict[str, ShardSpec]:
                         f"shard_specs: {type(m).__name__} declares {k!r} with local shape {spec.local_shape}, "
                         f"its parameter is {tuple(own[k].shape) if k in own else 'missing'}"
                     )
-                out[f"{prefix}.{k}" if prefix else k] = spec
+                for name in names.get(id(own[k]), [f"{prefix}.{k}" if prefix else k]):
+                    out[name] = spec
     return out
 
 

@@ -16,8 +16,9 @@ as single-process training on the concatenated batches (dense semantics: Adam's 
 batch did not touch). Only the communication is sparse.
 
 The tables are the model's ``nn.Embedding`` modules called as modules on id tensors (forward
-pre-hooks record the ids); a table's weight read otherwise in training (tied to an output layer) would
-have gradient rows the hooks do not see: tie nothing, or use a dense strategy.
+pre-hooks record the ids). A table whose weight another module reads (an output layer tied to it)
+would have gradient rows the hooks do not see: the three strategies refuse it at construction, naming
+both modules (:func:`refuse_sparse_tie`); tie nothing, or use a dense strategy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lowband.comm.handle import Handle
 from lowband.comm.initial import broadcast_initial_state
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.nn.tied import refuse_tied
 from lowband.optim.reducer import AllreduceReducer, Unit, parameter_names
 from lowband.optim.stage import GradientStage
 from lowband.optim.units import check_bucket_mb
@@ -67,6 +69,20 @@ def dense_units(model: nn.Module, exclude: set[int], bucket_mb: float) -> list[U
     return units
 
 
+def refuse_sparse_tie(model: nn.Module, strategy: str, where: str) -> None:
+    """The tables' gradients travel as the rows their lookups read: a table whose weight another module
+    reads (an output layer tied to it) is refused, naming both modules."""
+    refuse_tied(
+        model,
+        [e.weight for _, e in embedding_tables(model)],
+        where=where,
+        why=f"{strategy!r} synchronises a table's gradient as the rows its lookups read, and the other "
+        "module reads every row (the gradient of the rows no lookup read would be lost)",
+        fix="untie them (give the other module its own weight), or train the tied model with a strategy "
+        "that synchronises the table densely (ddp, stage, compressed, dense-priority)",
+    )
+
+
 class EmbeddingSyncStrategy(Strategy):
     """Dense parameters through the gradient stage (allreduce, from backward hooks), the tables'
     gradients synchronised by :meth:`sync_tables` after backward, then ``optimizer.step()``.
@@ -82,6 +98,7 @@ class EmbeddingSyncStrategy(Strategy):
     ) -> None:
         where = type(self).__name__
         self.bucket_mb, _ = check_bucket_mb(where, bucket_mb, 1.0)
+        refuse_sparse_tie(model, self.name, f"{where} on rank {group.rank}")
         broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
         self.tables = embedding_tables(model)
         shapes = [(n, tuple(e.weight.shape), str(e.weight.dtype)) for n, e in self.tables]
@@ -214,6 +231,7 @@ class DDPSparseStrategy(DDPStrategy):
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, bucket_cap_mb: float = 25.0
     ) -> None:
+        refuse_sparse_tie(model, self.name, f"{type(self).__name__} on rank {group.rank}")
         self.tables = embedding_tables(model)
         for _, emb in self.tables:
             emb.sparse = True

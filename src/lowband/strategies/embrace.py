@@ -44,6 +44,7 @@ from lowband.comm.initial import broadcast_initial_state
 from lowband.compress.slimgc.executor import Executor
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.nn.tied import refuse_tied
 from lowband.optim.layerwise import parameter_layers
 from lowband.optim.reducer import AllreduceReducer, bucket_units, layer_units, parameter_names
 from lowband.optim.stage import GradientStage
@@ -113,17 +114,19 @@ def table_channel(group: Group, device: torch.device, schedule: str, overlap: bo
 
 def partition_tables(model: nn.Module, group: Group) -> dict[str, PartitionedEmbedding]:
     """Replaces every ``nn.Embedding`` of ``model`` by its :class:`PartitionedEmbedding` (this rank's
-    columns), named by its path in the model; returns them."""
+    columns), named by its (first) path in the model; returns them. A table registered at several
+    paths is replaced by one partitioned table at every path (it stays one module)."""
     tables: dict[str, PartitionedEmbedding] = {}
-    for name, m in list(model.named_modules()):
+    made: dict[int, PartitionedEmbedding] = {}
+    for name, m in list(model.named_modules(remove_duplicate=False)):
         if isinstance(m, nn.Embedding):
             if not name:
                 raise InvalidArgumentError(
                     "strategy 'embrace': the model itself is an nn.Embedding; wrap it in a module"
                 )
-            pe = PartitionedEmbedding.from_embedding(m, group, name=name)
-            model.set_submodule(name, pe)
-            tables[name] = pe
+            if id(m) not in made:
+                made[id(m)] = tables[name] = PartitionedEmbedding.from_embedding(m, group, name=name)
+            model.set_submodule(name, made[id(m)])
     return tables
 
 
@@ -150,6 +153,16 @@ class EmbraceStrategy(Strategy):
                 f"{where}: schedule={schedule!r} schedules the dense layers as blocks: bucket_mb must be 0"
             )
         self.schedule, self.overlap, self.bucket_mb = schedule, overlap, float(bucket_mb)
+        refuse_tied(
+            model,
+            [m.weight for m in model.modules() if isinstance(m, nn.Embedding)],
+            where=where,
+            why="embrace cuts every embedding table by columns over the ranks, so the other module would "
+            "train a copy of its own (an output layer on the partitioned table needs the whole table, an "
+            "allgather of it, every step)",
+            fix="untie them (give the other module its own weight), or train the tied model with a strategy "
+            "that keeps the table whole on every rank (ddp, stage, compressed, dense-priority)",
+        )
         broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
         channel = table_channel(group, table_device(model, where), schedule, overlap, where)
         self.tables = partition_tables(model, channel)
