@@ -25,3 +25,8 @@ class CommTimeoutError(LowbandError, TimeoutError):
 
 class CommFailedError(LowbandError):
     """A communication failed, typically because a peer rank died or closed its connection."""
+
+
+class NonFiniteError(InvalidArgumentError):
+    """A gradient (or pseudo-gradient, or payload) held a NaN or an infinity; raised before the value is
+    communicated or stored in any residual, by every rank of the step (``on_nonfinite="raise"``)."""

@@ -9,7 +9,7 @@ and the environment variable ``LOWBAND_CHECK_FINITE``:
   *asynchronously*: the flag ``isfinite(x).all()`` is computed on the device, copied without blocking
   into pinned host memory behind an event, and read once the event has completed, by the next check of
   any compressor input (on any thread) or by :func:`raise_pending`. A non-finite gradient therefore
-  still raises a clear :class:`~lowband.errors.InvalidArgumentError` (naming the compressor, unit, rank
+  still raises a clear :class:`~lowband.errors.NonFiniteError` (naming the compressor, unit, rank
   and step it came from), typically one reduction later, and the training thread never waits for the
   device;
 - ``sync``: every tensor is checked at once, as on the CPU (one host synchronisation per unit and step
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lowband.errors import InvalidArgumentError
+from lowband.errors import InvalidArgumentError, NonFiniteError
 
 Tensor = torch.Tensor
 
@@ -57,8 +57,8 @@ def mode() -> str:
     return value
 
 
-def _error(where: str, detail: str) -> InvalidArgumentError:
-    return InvalidArgumentError(
+def _error(where: str, detail: str) -> NonFiniteError:
+    return NonFiniteError(
         f"{where}: the gradient holds a non-finite value ({detail}); compression would spread it"
     )
 

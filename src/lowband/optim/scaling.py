@@ -70,6 +70,22 @@ def record_found_inf(
     state["stage"] = OptState.UNSCALED
 
 
+def zero_nonfinite_(grads: Sequence[Tensor], inv_scale: Tensor) -> Tensor:
+    """The one fused check of a unit's gradients (all on ``inv_scale``'s device): multiplied by
+    ``inv_scale`` in place with torch's own kernel (``torch._amp_foreach_non_finite_check_and_unscale_``,
+    the one ``GradScaler.unscale_`` uses), then, if any held inf/NaN, every one of them zeroed
+    (``masked_fill_`` on the device flag). Returns the flag (1 element, float32, 1.0: non-finite found) on
+    the device, without a host synchronisation. ``inv_scale`` = 1 checks without unscaling (the non-finite
+    policy, :mod:`lowband.optim.nonfinite`)."""
+    with torch.no_grad():
+        flag = torch.zeros(1, dtype=torch.float32, device=inv_scale.device)
+        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), flag, inv_scale)
+        bad = flag.bool()
+        for g in grads:
+            g.masked_fill_(bad, 0.0)
+    return flag
+
+
 class GradUnscaler:
     """Unscales gradients for a strategy trained with a :class:`torch.amp.GradScaler` (module docstring)."""
 
@@ -108,18 +124,13 @@ class GradUnscaler:
                     "the parameters in float32 and run forward under torch.autocast"
                 )
             by_device.setdefault(g.device, []).append(g)
-        with torch.no_grad():
-            for dev, gs in by_device.items():
-                flag = torch.zeros(1, dtype=torch.float32, device=dev)
-                torch._amp_foreach_non_finite_check_and_unscale_(gs, flag, self._inv_scale(dev))
-                bad = flag.bool()
-                for g in gs:
-                    g.masked_fill_(bad, 0.0)
-                found = self._found.get(dev)
-                if found is None:
-                    self._found[dev] = flag
-                else:
-                    found.add_(flag)
+        for dev, gs in by_device.items():
+            flag = zero_nonfinite_(gs, self._inv_scale(dev))
+            found = self._found.get(dev)
+            if found is None:
+                self._found[dev] = flag
+            else:
+                found.add_(flag)
 
     def discard(self) -> None:
         """Forget the flags of units unscaled since the last :meth:`finish` (a pass that is not stepped)."""

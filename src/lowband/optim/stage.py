@@ -26,6 +26,12 @@ Loss scaling (fp16). With :attr:`GradientStage.unscaler` set (a per-unit
 zeroed and flagged) right before they are handed to the reducer, so reducers, compressors and their
 error-feedback memories only ever see true, finite gradients.
 
+Non-finite gradients. With :attr:`GradientStage.guard` set (a
+:class:`~lowband.optim.nonfinite.NonFiniteGuard`, and no unscaler), each unit's gradients are checked on
+the device right before the reducer (or, without one, the layer's step) sees them: a unit holding inf/NaN
+is zeroed and flagged, and the strategy decides once per step on every rank. Under ``skip`` the reducer's
+state is copied at the start of each reduction and put back by :meth:`restore_reducer`.
+
 Accumulation. With ``accumulate = J`` the gradients of J backward passes are summed locally (in
 ``.grad``, as torch does) and reduced during the J-th backward; passes inside :meth:`no_sync` are
 never reduced and do not count. :meth:`wait` after fewer passes reduces what has accumulated.
@@ -45,6 +51,7 @@ from lowband.comm.agree import agree, crc
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.nonfinite import NonFiniteGuard, snapshot
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
 from lowband.optim.scaling import GradUnscaler
 from lowband.runtime import world_group
@@ -113,6 +120,9 @@ class GradientStage:
         self.enabled = True
         #: fp16 loss scaling: unscales each unit before the reducer sees it (module docstring)
         self.unscaler: GradUnscaler | None = None
+        #: the non-finite policy's per-unit check (module docstring; set by NonFiniteGuard.attach)
+        self.guard: NonFiniteGuard | None = None
+        self._saved: dict[str, Any] | None = None  # the reducer's state at the round's start (skip)
         n = len(self.units)
         self._unit_of = {id(p): i for i, u in enumerate(self.units) for p in u.params}
         self._order = list(reversed(range(n)))  # launch order: backward order
@@ -207,9 +217,11 @@ class GradientStage:
     def _launch(self, i: int) -> None:
         self._open = True
         self._launched[i] = True
-        if self.reducer is None:
-            return
         unit = self.units[i]
+        if self.reducer is None:
+            if self.guard is not None:  # checked before the layer is stepped
+                self.guard.check_([p.grad for p in unit.params if p.grad is not None], unit.key)
+            return
         grads = []
         for p in unit.params:
             if p.grad is None:
@@ -217,6 +229,8 @@ class GradientStage:
             grads.append(p.grad)
         if self.unscaler is not None:
             self.unscaler.unscale_(grads)
+        elif self.guard is not None:
+            self.guard.check_(grads, unit.key)
         t0 = time.perf_counter()
         h = self.reducer.reduce(unit, grads, ReduceContext(self._fast, self.rounds))
         self.reduce_s += time.perf_counter() - t0
@@ -263,6 +277,8 @@ class GradientStage:
             self._report(i)
 
     def _new_round(self) -> None:
+        if self.guard is not None and self.guard.policy == "skip" and self.reducer is not None:
+            self._saved = snapshot(self.reducer.state_dict())
         self._next = 0
         self._launched = [False] * len(self.units)
         self._reported = [False] * len(self.units)
@@ -317,6 +333,12 @@ class GradientStage:
             yield
         finally:
             self._no_sync -= 1
+
+    def restore_reducer(self) -> None:
+        """Put the reducer's state back as it was when the last reduction began (a skipped step)."""
+        if self._saved is not None and self.reducer is not None:
+            self.reducer.load_state_dict(self._saved)
+        self._saved = None
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

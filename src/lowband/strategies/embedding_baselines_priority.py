@@ -91,6 +91,7 @@ class DensePriorityStrategy(Strategy):
 
     def step(self) -> None:
         self.synchronize()  # layers the last forward did not read
+        self.check_nonfinite()  # the non-finite policy, before the gradients are sent (Strategy.check_nonfinite)
         chunk = int(self.chunk_mb * 2**20)
         for i, (name, ps) in enumerate(self.layers):
             grads = []

@@ -37,7 +37,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import Unit, parameter_names
 from lowband.optim.stage import GradientStage
-from lowband.runtime import current
+from lowband.runtime import current, open_member_group
 from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.breakdown import ClockedStrategy, StepClock
 from lowband.strategies.registry import register_strategy
@@ -123,9 +123,22 @@ class SlimGCStrategy(ClockedStrategy):
         for p in self.params:
             p.grad = None
 
+    no_skip_reason = "its reducer's rounds complete asynchronously (a skipped round cannot be put back)"
+
+    def nonfinite_channel(self) -> Group | None:
+        # the executor thread communicates on the data group while the step agrees the flags
+        if not self.executor.offload or self.group.size == 1:
+            return None
+        ctx = current("SlimGCStrategy")
+        counts: dict[tuple[int, ...], int] = ctx.state.setdefault("lowband.slimgc.nonfinite", {})
+        gen = counts[self.group.ranks] = counts.get(self.group.ranks, -1) + 1
+        key = f"lowband/slimgc-nonfinite/{'.'.join(map(str, self.group.ranks))}/{gen}"
+        return open_member_group(ctx, self.group, key, f"{self.group.name}/nonfinite")
+
     def step(self) -> None:
         step = self.stage.rounds
         self.stage.wait()  # every unit handed to the reducer (launched or queued)
+        self.check_nonfinite()  # the non-finite policy: every unit was checked before the reducer saw it
         if self.backup is None:
             self.reducer.wait_round(step)  # the averages are in .grad
             self.clock.wait_done()

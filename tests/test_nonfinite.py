@@ -1,0 +1,166 @@
+"""The non-finite policy of every registered strategy (lowband.optim.nonfinite): a NaN or an Inf in one
+rank's (or every rank's) gradient raises NonFiniteError on every rank naming the rank and the step
+(on_nonfinite="raise", the default), or skips the step on every rank leaving models, optimizers and
+residuals untouched (on_nonfinite="skip"); never a hang, a timeout, a poisoned residual or a NaN model.
+
+Strategies built on torch DDP need real processes (DDP refuses thread ranks); the others run as threads.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+import lowband
+from lowband.errors import InvalidArgumentError, NonFiniteError
+from lowband.strategies import make_strategy, strategy_names
+from lowband.testing import run_processes, run_threads
+from tests import embedding_model as em
+
+BAD_STEP, STEPS = 2, 4
+PROCESS_ONLY = {"ddp", "powersgd", "ddp-sparse"}
+#: strategies that keep a gradient-stage reducer with state: residuals compared across a skipped step
+STAGE = ["stage", "compressed", "gtopk", "gs-sgd", "topk-allgather", "sketched-sgd"]
+VALUES = {"nan": math.nan, "inf": math.inf}
+
+
+def _train(name: str, policy: str, kind: str, bad: tuple[int, ...]) -> dict[str, Any]:
+    """Train ``STEPS`` steps; at ``BAD_STEP`` the ranks in ``bad`` get a non-finite gradient in one
+    dense parameter. Returns what happened on this rank."""
+    m = em.model(seed=5)
+    try:
+        s = make_strategy(name, m, em.sgd, on_nonfinite=policy)
+    except InvalidArgumentError as exc:
+        return {"refused": str(exc)}
+    rank = lowband.rank()
+    out: dict[str, Any] = {"losses": []}
+    bias = m.mlp[2].bias
+    assert isinstance(bias, torch.Tensor)
+    try:
+        for step in range(STEPS):
+            b = em.batch(rank, step)
+            value = VALUES[kind] if step == BAD_STEP and rank in bad else 0.0
+
+            def loss_fn(mod: torch.nn.Module, b: Any = b, value: float = value) -> torch.Tensor:
+                extra = value * bias.sum()  # on every rank: the same autograd graph
+                return em.loss(mod, b) + extra
+
+            if step == BAD_STEP:
+                out["before"] = em.flat(m)
+            out["losses"].append(s.train_step(loss_fn))
+            if step == BAD_STEP:
+                out["after"] = em.flat(m)
+        s.synchronize()
+    except NonFiniteError as exc:
+        out["error"] = str(exc)
+        out["step"] = s.steps
+        return out
+    finally:
+        s.close()
+    out["flat"] = em.flat(m)
+    out["skipped"] = s.nonfinite.skipped if s.nonfinite is not None else -1
+    out["in_sync"] = s.in_sync()
+    return out
+
+
+def _all(names: list[str], policy: str, kind: str, bad: tuple[int, ...]) -> dict[str, Any]:
+    return {n: _train(n, policy, kind, bad) for n in names}
+
+
+def _check(results: list[dict[str, Any]], policy: str, bad: tuple[int, ...]) -> list[str]:
+    failures = []
+    for name in results[0]:
+        per = [r[name] for r in results]
+        if any("refused" in p for p in per):
+            if not all("refused" in p for p in per) or policy != "skip":
+                failures.append(f"{name}: refused {[p.get('refused') for p in per]}")
+            continue
+        if policy == "raise":
+            for r, p in enumerate(per):
+                if "error" not in p:
+                    failures.append(f"{name}: rank {r} did not raise")
+                    continue
+                named = all(f"rank {b} " in p["error"] for b in bad)
+                if not named or f"at step {BAD_STEP}" not in p["error"] or p["step"] != BAD_STEP:
+                    failures.append(
+                        f"{name}: rank {r}'s error does not name {bad}, step {BAD_STEP}: {p['error']}"
+                    )
+            continue
+        for r, p in enumerate(per):
+            if "error" in p:
+                failures.append(f"{name}: rank {r} raised under skip: {p['error']}")
+            elif p["skipped"] != 1 or not torch.isfinite(p["flat"]).all():
+                failures.append(
+                    f"{name}: rank {r}: skipped {p['skipped']} steps, finite {torch.isfinite(p['flat']).all()}"
+                )
+    return failures
+
+
+CASES = [(policy, kind) for policy in ("raise", "skip") for kind in ("nan", "inf")]
+
+
+@pytest.mark.parametrize(("policy", "kind"), CASES)
+def test_every_strategy_on_threads(policy: str, kind: str) -> None:
+    names = [n for n in strategy_names() if n not in PROCESS_ONLY]
+    failures: list[str] = []
+    for bad in ((1,), (0, 1)):
+        results = run_threads(_all, 2, names, policy, kind, bad, timeout=120)
+        failures += [f"bad ranks {bad}: {f}" for f in _check(results, policy, bad)]
+    assert not failures, "\n".join(failures)
+
+
+def _ddp_all() -> list[tuple[str, str, tuple[int, ...], dict[str, Any]]]:
+    names = sorted(PROCESS_ONLY)
+    return [
+        (policy, kind, bad, _all(names, policy, kind, bad))
+        for policy, kind in CASES
+        for bad in ((1,), (0, 1))
+    ]
+
+
+def test_ddp_strategies_in_processes() -> None:
+    results = run_processes(_ddp_all, 2, timeout=240, backend="gloo", device="cpu")
+    failures: list[str] = []
+    for i, (policy, kind, bad, _) in enumerate(results[0]):
+        per_rank = [r[i][3] for r in results]
+        failures += [f"{policy}/{kind}/{bad}: {f}" for f in _check(per_rank, policy, bad)]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("name", STAGE)
+def test_skip_leaves_models_and_residuals_untouched(name: str) -> None:
+    def fn() -> dict[str, Any]:
+        m = em.model(seed=5)
+        s = make_strategy(name, m, em.sgd, on_nonfinite="skip")
+        rank = lowband.rank()
+        states = []
+        flats = []
+        bias = m.mlp[2].bias
+        assert isinstance(bias, torch.Tensor)
+        for step in range(STEPS):
+            b = em.batch(rank, step)
+            value = math.nan if step == BAD_STEP and rank == 1 else 0.0
+
+            def loss_fn(mod: torch.nn.Module, b: Any = b, v: float = value) -> torch.Tensor:
+                return em.loss(mod, b) + v * bias.sum()
+
+            s.train_step(loss_fn)
+            s.synchronize()
+            flats.append(em.flat(m))
+            states.append(repr(s.extra_state()["stage"]["reducer"]))
+        s.close()
+        return {"flats": flats, "states": states, "skipped": s.nonfinite.skipped if s.nonfinite else -1}
+
+    for r in run_threads(fn, 2, timeout=60):
+        assert r["skipped"] == 1
+        assert torch.equal(r["flats"][BAD_STEP], r["flats"][BAD_STEP - 1]), "the skipped step moved the model"
+        assert r["states"][BAD_STEP] == r["states"][BAD_STEP - 1], (
+            "the skipped step changed the reducer state"
+        )
+        assert not torch.equal(r["flats"][BAD_STEP + 1], r["flats"][BAD_STEP]), (
+            "training stopped after the skip"
+        )
+        assert torch.isfinite(r["flats"][-1]).all()
