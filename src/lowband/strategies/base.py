@@ -49,7 +49,9 @@ from lowband.comm import collectives as comm
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.nn.sharding import ShardSpec, gather_full, shard_specs
+from lowband.optim.nonfinite import NonFiniteGuard
 from lowband.optim.scaling import GradUnscaler
+from lowband.optim.stage import GradientStage
 from lowband.strategies import digest, sharded_state
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -154,6 +156,7 @@ class Strategy:
     def optimizer_step(self) -> None:
         """The wrapped optimizer's step; with a grad scaler, after :meth:`unscale_gradients`, skipped on
         every rank when any rank's gradients held inf/NaN, then the scale updated."""
+        self.check_nonfinite()
         if self.grad_scaler is None:
             self.optimizer.step()
             return
@@ -226,6 +229,54 @@ class Strategy:
         hi = comm.allreduce(flat, op="max", group=self.group)
         lo = comm.allreduce(flat, op="min", group=self.group)
         return float((hi - lo).abs().max()) if flat.numel() else 0.0
+
+    # -- the non-finite policy (lowband.optim.nonfinite) ------------------------------------------
+    nonfinite: NonFiniteGuard | None = None
+    #: why on_nonfinite="skip" is refused (None: supported, unless the strategy steps in backward)
+    no_skip_reason: str | None = None
+
+    def set_nonfinite(self, policy: str) -> None:
+        """Catch non-finite gradients by ``policy`` ("raise" or "skip", :mod:`lowband.optim.nonfinite`);
+        :func:`~lowband.strategies.make_strategy` calls it (option ``on_nonfinite``, default "raise").
+        Every rank alike, before the first step."""
+        where = f"{type(self).__name__} (on_nonfinite={policy!r}) on rank {self.group.world_rank}"
+        reason = self.no_skip_reason
+        if reason is None and self.steps_in_backward:
+            reason = "it steps each layer during backward, before the whole gradient is known to be finite"
+        if policy == "skip" and reason is not None:
+            raise InvalidArgumentError(
+                f"{where}: strategy {self.name!r} cannot skip a step: {reason}; use on_nonfinite='raise'"
+            )
+        self.nonfinite = NonFiniteGuard(
+            policy, self.group, where=where, step=lambda: self.steps, channel=self.nonfinite_channel()
+        )
+        for stage in self.gradient_stages():
+            self.nonfinite.attach(stage)
+
+    def nonfinite_channel(self) -> Group | None:
+        """A private group to agree the non-finite flags on, for strategies whose data group another
+        thread uses at step time (None: the data group)."""
+        return None
+
+    def gradient_stages(self) -> list[GradientStage]:
+        """The gradient stages whose units the non-finite guard checks before they are communicated or
+        stepped: by default those held as ``stage`` by the strategy, its optimizer, or the optimizer's
+        ``layerwise`` part; strategies keeping stages elsewhere override it."""
+        owners = (self, self.optimizer, getattr(self.optimizer, "layerwise", None))
+        found = [getattr(o, "stage", None) for o in owners]
+        return [s for i, s in enumerate(found) if isinstance(s, GradientStage) and s not in found[:i]]
+
+    def check_nonfinite(self) -> bool:
+        """Before stepping, once per step, on every rank: the gradients' finiteness agreed (one tiny
+        allreduce and one host read); raises :class:`~lowband.errors.NonFiniteError` on every rank
+        (policy "raise") or returns False with every gradient set to None (policy "skip": the optimizer
+        step that follows updates nothing); True to step. With a grad scaler the scaler decides."""
+        guard = self.nonfinite
+        if guard is None or self.grad_scaler is not None:
+            return True
+        self.finish_gradients()
+        covered = guard.covered()
+        return guard.decide([(n, p) for n, p in self.local_module.named_parameters() if id(p) not in covered])
 
     # -- consensus for evaluation and export ------------------------------------------------------
     def average_state_dict(self) -> dict[str, torch.Tensor]:

@@ -150,6 +150,7 @@ class EmbeddingSyncStrategy(Strategy):
         self.sync_tables()
         for v in self.ids.values():
             v.clear()
+        self.check_nonfinite()  # the non-finite policy (Strategy.check_nonfinite)
         self.optimizer.step()
 
     def synchronize(self) -> None:

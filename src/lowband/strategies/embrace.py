@@ -257,6 +257,7 @@ class EmbraceStrategy(Strategy):
         self.stage.wait()
 
     def step(self) -> None:
+        self.check_nonfinite()  # the non-finite policy, before anything is stepped (Strategy.check_nonfinite)
         if self.vertical is not None:
             self.vertical.drain()
         if self.blocks is not None:

@@ -69,13 +69,15 @@ def make_strategy(
     options (:func:`lowband.optim.factory.as_optimizer_factory`). With ``broadcast_init`` (the default)
     every rank starts from rank 0's parameters and buffers, as torch DDP does (broadcast once the
     strategy's arguments are checked); collective. The model must be on this rank's kind of device
-    (:func:`check_model_device`)."""
+    (:func:`check_model_device`). Option ``on_nonfinite`` ("raise", the default, or "skip"), taken by
+    every strategy: what a non-finite gradient does (:meth:`Strategy.set_nonfinite`)."""
+    on_nonfinite = options.pop("on_nonfinite", "raise")  # the non-finite policy, common to every strategy
     where = f"make_strategy({name!r})"
     ctx, g = world_group(group, where)
     # every rank's configuration agreed before anything else: a differing option, model or name is one
     # error on every rank, naming it (a name or option known on one rank only included)
     known = STRATEGIES.get(name) if name in STRATEGIES else None
-    config = strategy_config(name, known, options, model)
+    config = strategy_config(name, known, {**options, "on_nonfinite": on_nonfinite}, model)
     agree_values(
         g, "strategy configurations", config, where=f"{where} on rank {g.rank}",
         fix="give every rank the same strategy, options and model",
@@ -90,5 +92,6 @@ def make_strategy(
         # the constructor broadcasts once its arguments are checked; if it did not, it happens here
         strategy = factory(model, make, g, **options)
         broadcast_initial_state(model, group=g, where=f"{where} on rank {g.rank}")
+    strategy.set_nonfinite(on_nonfinite)
     strategy.agreed_config = config  # saved in its checkpoints, compared when one is loaded
     return strategy
