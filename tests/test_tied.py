@@ -257,3 +257,31 @@ def test_embrace_partitions_a_table_at_two_paths_once(schedule: str) -> None:
         err = max(abs(a - b) for a, b in zip(flat, want, strict=True))
         assert err < 1e-9, f"rank {r}: differs from the single-process model by {err:.3g}"
         assert restored, f"rank {r}: the checkpoint round trip lost the shared table"
+
+
+class FunctionalTieLM(TiedLM):
+    """The output layer computes with the table's weight directly (a tie no module structure shows)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dec = nn.Linear(DIM, VOCAB, dtype=torch.float64)  # unused: the logits read emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.mid(self.emb(ids))) @ self.emb.weight.T
+
+
+def _functional(name: str) -> str:
+    s = make_strategy(name, FunctionalTieLM(), _opt)
+    try:
+        s.train_step(partial(_loss, rank=lowband.rank(), step=0))
+    except InvalidArgumentError as e:
+        return str(e)
+    finally:
+        s.close()
+    return "trained"
+
+
+@pytest.mark.parametrize("name", ["sparse-allgather", "embedding-ps"])
+def test_sparse_baselines_refuse_a_table_read_outside_its_module(name: str) -> None:
+    for r, msg in enumerate(run_threads(_functional, N, name, timeout=30)):
+        assert "['emb']" in msg and f"rank {r}, step 0" in msg, msg

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.comm import collectives as comm
 from lowband.comm.agree import agree, crc
 from lowband.comm.gather import iallgather
 from lowband.comm.handle import Handle
@@ -106,6 +107,7 @@ class EmbeddingSyncStrategy(Strategy):
             group, "the embedding tables", [len(shapes), crc(shapes)], where=f"{where} on rank {group.rank}"
         )
         self.fast = group.unchecked()
+        self._reads_checked = False
         self.table_ids = {id(e.weight) for _, e in self.tables}
         units = dense_units(model, self.table_ids, self.bucket_mb)
         self.stage = GradientStage(units, AllreduceReducer(), group=group, where=where) if units else None
@@ -137,6 +139,36 @@ class EmbeddingSyncStrategy(Strategy):
     def sync_tables(self) -> None:
         raise NotImplementedError
 
+    def check_lookup_only_reads(self) -> None:
+        """Once, at the first step (collective): a table whose gradient has rows no lookup read is read
+        elsewhere too (``h @ emb.weight.T``, a tie no module structure shows), and those rows would be
+        lost: raises :class:`InvalidArgumentError` on every rank, naming the tables (a flag per table,
+        maxed over the ranks; one host read of it)."""
+        self._reads_checked = True
+        flags = []
+        for name, emb in self.tables:
+            g = emb.weight.grad
+            if g is None or g.is_sparse:
+                flags.append(torch.zeros((), dtype=torch.bool, device=emb.weight.device))
+                continue
+            outside = torch.ones(g.shape[0], dtype=torch.bool, device=g.device)
+            outside[self.coalesced[name]] = False
+            flags.append(g[outside].ne(0).any())
+        if not flags:
+            return
+        seen = torch.stack([f.to("cpu") for f in flags]).to(torch.int32)
+        everywhere = comm.allreduce(seen, op="max", name="embedding-reads", group=self.group)
+        bad = [n for (n, _), f in zip(self.tables, everywhere.tolist(), strict=True) if f]
+        if bad:
+            raise InvalidArgumentError(
+                f"{type(self).__name__} on rank {self.group.rank}, step {self.steps}: the gradient of table(s) "
+                f"{bad} has rows no lookup of the table read on some rank: the model reads the weight outside "
+                f"the table's forward (e.g. an output layer computing with it), and {self.name!r} synchronises "
+                "only the looked-up rows (the others would be lost); read the table only through its module, "
+                "or train with a strategy that synchronises the table densely (ddp, stage, compressed, "
+                "dense-priority)"
+            )
+
     def step(self) -> None:
         if self.stage is not None:
             self.stage.wait()
@@ -147,6 +179,8 @@ class EmbeddingSyncStrategy(Strategy):
             seen[0] += 1
             seen[1] += sum(i.numel() for i in ids)
             seen[2] += self.coalesced[n].numel()
+        if not self._reads_checked:
+            self.check_lookup_only_reads()
         self.sync_tables()
         for v in self.ids.values():
             v.clear()
