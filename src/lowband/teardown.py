@@ -9,6 +9,8 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,12 +46,41 @@ def lowband_threads() -> list[threading.Thread]:
     ]
 
 
+_idle: set[int] = set()  # idents of helper threads now waiting for work (see :func:`idle`)
+_idle_lock = threading.Lock()
+
+
+@contextmanager
+def idle() -> Iterator[None]:
+    """Mark the calling helper thread as waiting for work (a queue, a condition), not for a peer.
+
+    Shutdown waits for helper threads that may be blocked in a gloo wait (see
+    :func:`lowband.runtime.shutdown`), never for idle ones: a strategy that was not closed (a rank that
+    raised mid-step) leaves its worker waiting for a task that will never come, and waiting for it only
+    delays the exit (a daemon thread in a Python-level wait is harmless at interpreter exit)."""
+    me = threading.get_ident()
+    with _idle_lock:
+        _idle.add(me)
+    try:
+        yield
+    finally:
+        with _idle_lock:
+            _idle.discard(me)
+
+
+def is_idle(t: threading.Thread) -> bool:
+    return t.ident in _idle
+
+
 def join_threads(threads: list[threading.Thread], limit: float) -> list[threading.Thread]:
-    """Wait at most ``limit`` seconds in all for ``threads`` to end; returns those still running."""
+    """Wait at most ``limit`` seconds in all for ``threads`` to end or wait for work (:func:`idle`);
+    returns those still busy."""
     deadline = time.monotonic() + limit
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return [t for t in threads if t.is_alive()]
+    busy = [t for t in threads if t.is_alive() and not is_idle(t)]
+    while busy and time.monotonic() < deadline:
+        busy[0].join(min(0.01, max(0.0, deadline - time.monotonic())))
+        busy = [t for t in busy if t.is_alive() and not is_idle(t)]
+    return busy
 
 
 #: a tag no lowband message uses (p2p uses tags below 2**31 - 1 only for a user tag of 2**30 - 1)

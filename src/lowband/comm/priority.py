@@ -36,6 +36,7 @@ from lowband.comm.reduce import allreduce
 from lowband.errors import CommTimeoutError, InvalidArgumentError, LowbandError
 from lowband.group import Group
 from lowband.runtime import bind_thread, current
+from lowband.teardown import idle
 
 Task = Callable[[], Handle[Any]]
 
@@ -141,7 +142,8 @@ class NegotiatedQueue:
                         not any(not self._done[k] for k in self._tasks)
                         or (len(self._tasks) == seen and len(self._tasks) < self.n)
                     ):
-                        self._cond.wait()
+                        with idle():  # waiting for work, not for a peer: shutdown need not wait for it
+                            self._cond.wait()
                     if self._closed:
                         return
                     mask = self._ready_mask()

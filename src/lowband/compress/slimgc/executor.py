@@ -30,6 +30,7 @@ import torch
 
 from lowband.errors import CommTimeoutError, InvalidArgumentError, LowbandError
 from lowband.runtime import Context, bind_thread, current
+from lowband.teardown import idle
 
 Task = Callable[[], None]
 
@@ -132,7 +133,8 @@ class Executor:
         bind_thread(self._ctx)
         try:
             while True:
-                task = self._queue.get()
+                with idle():  # waiting for work, not for a peer: shutdown need not wait for it
+                    task = self._queue.get()
                 if task is None:
                     return
                 if self._error is None:
