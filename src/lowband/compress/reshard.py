@@ -3,7 +3,12 @@ error-feedback memories by :func:`~lowband.compress.memory.reshard_memories` (pe
 over ranks kept: what error feedback still owes the model), a compressor's state copied when it is the
 same on every rank (else refused), a transport's own per-rank state by its function in :data:`RESHARD`
 (the two-stage transport's server memory, re-cut exactly) or a transport class's
-``reshard_states(states, world_size)`` (else refused, naming the state)."""
+``reshard_states(states, world_size)`` (else refused, naming the state).
+
+The globally sparse reducers (:mod:`~lowband.compress.gssgd`: gs-SGD, Sketched-SGD, gTop-k) keep the
+same shape of state: their residual (``"memory"``) and, with worker momentum, the velocity
+(``"velocity"``, None without), both per rank and both re-sharded keeping their sum over ranks (the
+momentum every worker still carries, in total)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,11 @@ from lowband.errors import InvalidArgumentError
 RESHARD: dict[str, Callable[[Sequence[Mapping[str, Any]], int], list[dict[str, Any]]]] = {
     "twostage": reshard_server_memories,  # the server's error memory: its parts re-cut exactly
 }
+
+
+#: per-rank memories every reducer state may hold, re-sharded keeping their sum over ranks: the
+#: error-feedback residual, and the globally sparse reducers' worker momentum (None when off)
+MEMORIES_SUMMED = ("memory", "velocity")
 
 
 def same(a: Any, b: Any) -> bool:
@@ -61,18 +71,36 @@ def reshard_reducer_states(
     if all(not s for s in states):  # a reducer without state (the plain allreduce)
         return [{} for _ in range(world_size)]
     keys = {k for s in states for k in s}
-    extra = sorted(keys - {"memory", "compressor"})
+    extra = sorted(keys - {*MEMORIES_SUMMED, "compressor"})
     if extra:
         raise InvalidArgumentError(
             f"{where}: the transport {transport!r} keeps per-rank state {extra} and does not say how to "
             "re-shard it (a reshard_states classmethod); resume at the world size it was saved at"
         )
-    comp = states[0].get("compressor", {})
-    for r, s in enumerate(states[1:], 1):
-        if not same(s.get("compressor", {}), comp):
+    out: list[dict[str, Any]] = [{} for _ in range(world_size)]
+    for key in MEMORIES_SUMMED:
+        if not any(key in s for s in states):
+            continue
+        given = [s.get(key) for s in states]
+        if all(m is None for m in given):  # an optional memory switched off (no worker momentum)
+            parts: list[Any] = [None] * world_size
+        elif any(m is None for m in given):
             raise InvalidArgumentError(
-                f"{where}: the compressor's state differs between rank 0 and rank {r}; per-rank "
-                "compressor state cannot be re-sharded"
+                f"{where}: rank {given.index(None)}'s checkpoint has no {key!r} state but rank "
+                f"{next(r for r, m in enumerate(given) if m is not None)}'s has; they are of different runs"
             )
-    memories = reshard_memories([s["memory"] for s in states], world_size)
-    return [{"memory": m, "compressor": copy.deepcopy(comp)} for m in memories]
+        else:
+            parts = reshard_memories([m for m in given if m is not None], world_size)
+        for o, m in zip(out, parts):
+            o[key] = m
+    if "compressor" in keys:  # the same on every rank (its random streams are shared), copied
+        comp = states[0].get("compressor", {})
+        for r, s in enumerate(states[1:], 1):
+            if not same(s.get("compressor", {}), comp):
+                raise InvalidArgumentError(
+                    f"{where}: the compressor's state differs between rank 0 and rank {r}; per-rank "
+                    "compressor state cannot be re-sharded"
+                )
+        for o in out:
+            o["compressor"] = copy.deepcopy(comp)
+    return out

@@ -1,13 +1,16 @@
-"""Checkpoints of a strategy on the gradient stage (``compressed``, ``stage``) moved to another world
-size: :func:`reshard_checkpoints` (pure, no communication).
+"""Checkpoints of a strategy on the gradient stage (``compressed``, ``stage``, and the globally sparse
+``gs-sgd``, ``sketched-sgd``, ``gtopk``, ``topk-allgather``: :data:`RESHARDABLE`) moved to another world
+size: :func:`reshard_checkpoints` (pure, no communication). Other strategies' checkpoints are refused
+here (``slimgc``'s backup and memories, for one, are each rank's own and do not re-shard).
 
 What moves and how:
 
 - the model, the optimizer state and the counters are replicated (every rank steps the same averaged
   gradient): rank 0's are taken;
 - the reducer's state (:func:`lowband.compress.reshard.reshard_reducer_states`): error-feedback
-  memories are per rank and re-sharded keeping, per parameter, their sum over ranks (what error
-  feedback still owes the model): each new rank holds ``sum / M``. The resumed run is then not
+  memories (and the sparse reducers' worker momentum) are per rank and re-sharded keeping, per
+  parameter, their sum over ranks (what error feedback still owes the model): each new rank holds
+  ``sum / M``. The resumed run is then not
   bit-identical to an uninterrupted one at M ranks (no such run exists), but no remembered gradient is
   lost or counted twice. A compressor's state must be the same on every rank (it is copied); a
   transport's own per-rank state (the two-stage server memory) is re-cut by the transport's function;
@@ -26,6 +29,8 @@ from lowband.compress.reshard import reshard_reducer_states
 from lowband.errors import InvalidArgumentError
 
 WHERE = "reshard_checkpoints"
+#: the strategies whose checkpoints re-shard here: their per-rank state is the stage's reducer state
+RESHARDABLE = frozenset({"stage", "compressed", "gs-sgd", "sketched-sgd", "gtopk", "topk-allgather"})
 
 
 def reshard_checkpoints(states: Sequence[Mapping[str, Any]], world_size: int) -> list[dict[str, Any]]:
@@ -37,10 +42,16 @@ def reshard_checkpoints(states: Sequence[Mapping[str, Any]], world_size: int) ->
         raise InvalidArgumentError(f"{WHERE}: expects every rank's checkpoint (dicts), in rank order")
     n = len(states)
     for r, s in enumerate(states):
+        if s.get("strategy") not in RESHARDABLE:
+            raise InvalidArgumentError(
+                f"{WHERE}: rank {r}'s checkpoint is of strategy {s.get('strategy')!r}, whose per-rank state "
+                f"does not re-shard; only {sorted(RESHARDABLE)} re-shard here (sharded tables: "
+                "lowband.strategies.assemble_state_dicts); resume it at the world size it was saved at"
+            )
         if "stage" not in s.get("extra", {}):
             raise InvalidArgumentError(
                 f"{WHERE}: rank {r}'s checkpoint (strategy {s.get('strategy')!r}) has no gradient-stage "
-                "state; only strategies on the gradient stage (compressed, stage) re-shard here"
+                "state: it is not a whole checkpoint of that strategy (Strategy.state_dict())"
             )
         if "sharding" in s:
             raise InvalidArgumentError(

@@ -14,7 +14,10 @@ same :class:`CollectiveMismatchError` naming each differing field and each rank'
 Checkpoints (:func:`checkpoint_config`, :func:`check_checkpoint`): a strategy built by
 :func:`~lowband.strategies.make_strategy` saves its options in ``state_dict()["config"]``. Loading
 agrees across ranks on what each rank loads (steps, the world size it was taken at, its options: one
-save of one run), then refuses a checkpoint whose options differ from this strategy's (what the state
+save of one run), refuses, before anything is loaded, a checkpoint with per-rank state of another world
+size (``extra["world_size"]``: re-shard it first where
+:func:`~lowband.strategies.compressed_state.reshard_checkpoints` can), then refuses a checkpoint whose
+options differ from this strategy's (what the state
 means: density, sketch size, compressor, ...), except the options in :data:`STATELESS_OPTIONS` (bucket
 sizes regroup the same state).
 """
@@ -224,6 +227,18 @@ def check_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
         g, "checkpoints being loaded", values, where=where,
         fix="every rank loads its own checkpoint of the same save (same run, same step)",
     )  # fmt: skip
+    if isinstance(taken_at, int) and taken_at != g.size:  # refused before anything is loaded
+        from lowband.strategies.compressed_state import RESHARDABLE
+
+        fix = (
+            f"re-shard every rank's checkpoint first: lowband.strategies.reshard_checkpoints(every rank's "
+            f"checkpoint, {g.size}) (residuals keep their sum over ranks)"
+            if state.get("strategy") in RESHARDABLE
+            else f"its per-rank state does not re-shard: resume at {taken_at} ranks"
+        )
+        raise InvalidArgumentError(
+            f"{where}: the checkpoint was taken at {taken_at} ranks, this group has {g.size}; {fix}"
+        )
     mine = checkpoint_config(getattr(strategy, "agreed_config", None))
     if mine is None or not isinstance(saved, Mapping):
         return

@@ -6,7 +6,11 @@ wrapped torch optimizer unless a strategy's ``momentum`` option moves it into th
 
 Each is the reducer on :class:`~lowband.strategies.stage.StageStrategy` (buckets of ``bucket_mb``, as
 DDP fuses them; ``k`` or ``density`` applies per bucket); residuals and worker momentum are in the
-checkpoint (``extra_state``), with the stage's reduction counter that seeds HEAVYMIX's random fill.
+checkpoint (``extra_state``), with the stage's reduction counter that seeds HEAVYMIX's random fill, and
+the world size it was taken at: a checkpoint of another world size is refused (before anything loads)
+unless every rank's was re-sharded first by :func:`~lowband.strategies.compressed_state.reshard_checkpoints` (residuals and
+worker momentum keep their sum over ranks). The options that change what the state means (density,
+``k``, sketch size, ...) are compared when it is loaded (:mod:`lowband.strategies.digest`).
 """
 
 from __future__ import annotations
@@ -51,6 +55,10 @@ class SparseStageStrategy(StageStrategy):
     def hparams(self) -> dict[str, Any]:
         opts = getattr(self.stage.reducer, "options", None)
         return {**super().hparams(), **(opts() if callable(opts) else {})}
+
+    def extra_state(self) -> dict[str, Any]:
+        # a checkpoint of another world size is refused before anything loads (digest.check_checkpoint)
+        return {**super().extra_state(), "world_size": self.group.size}
 
     def report(self) -> dict[str, Any]:
         out = super().report()
