@@ -20,17 +20,18 @@ host (``GLOO_SOCKET_IFNAME`` chooses) and carries tensors, not pickles.
 from __future__ import annotations
 
 import ast
-import json
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lowband.blame import failure_report, proc_state, rank_pids, read_reports, write_pid, write_report
 from lowband.devices import check_ranks
 from lowband.errors import InvalidArgumentError, LowbandError
 
@@ -50,34 +51,56 @@ def _entry(
 
     if os.environ.get("LOWBAND_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["LOWBAND_NUM_THREADS"]))
+    rank = int(os.environ.get("RANK", "0"))
+    write_pid(report_dir, rank)
     try:
         lowband.init(**init_kwargs)
         return fn(*args, **kwargs)
     except BaseException as exc:
         if not (isinstance(exc, SystemExit) and not exc.code):
-            _report(report_dir, exc)
+            # before shutdown: the peers fail as soon as this rank's connections close, and the agent,
+            # seeing them fail, may stop this rank before it exits (out of torch's list of failures)
+            write_report(report_dir, rank, exc)
         raise
     finally:
         lowband.shutdown()
 
 
-def _report(report_dir: str, exc: BaseException) -> None:
-    """Write this rank's error for :func:`launch`, with its time, *before* shutdown: the peers fail as
-    soon as this rank's connections close, and the agent, seeing them fail, may stop this rank before it
-    exits, leaving it out of torch's list of failures."""
-    from lowband.errors import CommFailedError, CommTimeoutError
+class _StoppedWatch:
+    """While a launch runs: once a rank's report names stopped ranks, kill them (SIGKILL; torch's agent
+    would wait 30 s for a stopped rank to obey its SIGTERM) and remember when they were seen stopped."""
 
-    report = {
-        "error": f"{type(exc).__name__}: {exc}",
-        "traceback": traceback.format_exc(),
-        "time": time.time(),
-        "follow_on": isinstance(exc, (CommFailedError, CommTimeoutError)),
-    }
-    rank = os.environ.get("RANK", "0")
-    tmp = os.path.join(report_dir, f".{rank}.json")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f)
-    os.replace(tmp, os.path.join(report_dir, f"{rank}.json"))
+    def __init__(self, report_dir: str, interval: float) -> None:
+        self.report_dir, self.interval = report_dir, interval
+        self.seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lowband-launch-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            named = {int(s) for rep in read_reports(self.report_dir).values() for s in rep.get("stopped", [])}
+            if not named:
+                continue
+            pids = rank_pids(self.report_dir)
+            for r in sorted(named - set(self.seen)):
+                pid = pids.get(r)
+                if pid is not None and proc_state(pid) == "T" and _is_child(pid):
+                    self.seen[r] = time.time()
+                    os.kill(pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _is_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(")") + 2 :].split()[1]) == os.getpid()
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def loopback_store() -> tuple[Any, int]:
@@ -161,60 +184,6 @@ def _check_main_guard() -> None:
     )
 
 
-def _read_reports(report_dir: str) -> dict[int, dict[str, Any]]:
-    out: dict[int, dict[str, Any]] = {}
-    for name in os.listdir(report_dir):
-        if name.endswith(".json") and name[:-5].isdigit():
-            with open(os.path.join(report_dir, name), encoding="utf-8") as f:
-                out[int(name[:-5])] = json.load(f)
-    return out
-
-
-def _exit_text(failure: Any) -> str:
-    if failure is None:
-        return "stopped by the launcher"
-    if failure.exitcode < 0:
-        return f"exit code {failure.exitcode}: signal {failure.signal_name()}"
-    return f"exit code {failure.exitcode}"
-
-
-def failure_report(failures: dict[int, Any], reports: dict[int, dict[str, Any]]) -> str:
-    """The launch error: the root cause first, with its traceback, then every other failed rank in one line.
-
-    ``failures`` are torch's (rank -> ``ProcessFailure``: the ranks the agent saw fail); ``reports`` are
-    the errors ranks wrote (rank -> error, traceback, time, follow_on). The root cause is the earliest
-    error that is not a follow-on (a lowband communication failure caused by another rank), or else a
-    rank that exited with a code and no report (``os._exit``, a crash); ranks stopped by a signal and
-    follow-on errors come after it."""
-    ranks = sorted(set(failures) | set(reports))
-
-    def text(r: int) -> str:
-        if r in reports:
-            return str(reports[r]["error"])
-        f = failures[r]
-        if f.exitcode < 0:
-            return f"stopped by signal {f.signal_name()}"
-        return (
-            f"exited with code {f.exitcode} before reporting a Python error (os._exit, a crash, or a "
-            f"failure while the rank started: is the launching code under `{_GUARD}`?)"
-        )
-
-    def root_key(r: int) -> tuple[int, float, int]:
-        if r in reports:
-            return (1 if reports[r]["follow_on"] else 0, float(reports[r]["time"]), r)
-        exited = failures[r].exitcode >= 0
-        return (0 if exited else 2, float(failures[r].timestamp), r)
-
-    root = min(ranks, key=root_key)
-    out = f"lowband.launch: rank {root} failed ({_exit_text(failures.get(root))}): {text(root)}"
-    if root in reports:
-        out += "\n" + str(reports[root]["traceback"]).rstrip()
-    others = [r for r in ranks if r != root]
-    if others:
-        out += "\nthen: " + "; ".join(f"rank {r} ({_exit_text(failures.get(r))}): {text(r)}" for r in others)
-    return out
-
-
 def launch(
     fn: Callable[..., Any],
     nprocs: int,
@@ -261,13 +230,16 @@ def launch(
         logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
         logging.getLogger("torch.distributed.launcher").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="lowband-launch-") as report_dir:
+        watch = _StoppedWatch(report_dir, monitor_interval)
         try:
             results = elastic_launch(config, _entry)(
                 fn, tuple(args), dict(kwargs or {}), dict(init_kwargs or {}), report_dir
             )
         except ChildFailedError as exc:
-            raise LowbandError(failure_report(exc.failures, _read_reports(report_dir))) from exc
+            watch.close()
+            raise LowbandError(failure_report(exc.failures, read_reports(report_dir), watch.seen)) from exc
         finally:
+            watch.close()
             del store
     return [results[r] for r in sorted(results)]
 
