@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from lowband.blame import proc_state
 from lowband.errors import CommTimeoutError, InvalidArgumentError
 
 
@@ -65,9 +66,15 @@ def wait_procs(
     *,
     grace: float = 30.0,
     exited: list[int] | None = None,
+    stopped: list[int] | None = None,
 ) -> list[int]:
     """:meth:`Testbed.wait` for any processes started with ``start_new_session=True``; ``exited``, when
-    given, receives the indices of the processes in the order they were seen to end."""
+    given, receives the indices of the processes in the order they were seen to end (of those seen in
+    one poll, the ones killed by a signal first: the others' errors follow from a peer's death).
+
+    Once one has failed, a process found stopped (state ``T``: SIGSTOP, a suspended job) is the likely
+    cause of the others' timeouts and will not end by itself: it is killed at once and its index put
+    in ``stopped``; the others get ``grace`` seconds to end."""
     if timeout <= 0 or grace < 0:
         raise InvalidArgumentError(
             f"lowband.testbed.wait: need timeout > 0 and grace >= 0, got {timeout}, {grace}"
@@ -77,13 +84,20 @@ def wait_procs(
     while True:
         codes = [p.poll() for p in procs]
         if exited is not None:
-            exited.extend(r for r, c in enumerate(codes) if c is not None and r not in exited)
+            new = [r for r, c in enumerate(codes) if c is not None and r not in exited]
+            exited.extend(sorted(new, key=lambda r: (int(codes[r] or 0) >= 0, r)))
         running = [r for r, c in enumerate(codes) if c is None]
         if not running:
             return [int(c) for c in codes if c is not None]
         now = time.monotonic()
         if kill_at is None and any(c not in (None, 0) for c in codes):
             kill_at = now + grace
+            for r in running:
+                if proc_state(procs[r].pid) == "T":
+                    if stopped is not None:
+                        stopped.append(r)
+                    kill_group(procs[r])
+            continue
         if kill_at is not None and now >= kill_at:
             for r in running:
                 kill_group(procs[r])

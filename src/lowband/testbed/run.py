@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import IO, Any
 from lowband.errors import CommTimeoutError
 from lowband.testbed.links import Layout
 from lowband.testbed.netns import Testbed
+from lowband.testbed.procs import wait_procs
 
 #: seconds the other ranks get to finish (and print their own errors) after one rank failed (default)
 GRACE_S = 10.0
@@ -66,9 +68,9 @@ def run_script(
         print(f"lowband run: {tb.label()}", file=sys.stderr, flush=True)
         before = tb.link_bytes()
         procs = tb.spawn([sys.executable, *argv], env={"PYTHONUNBUFFERED": "1", **(env or {})})
-        timed_out, order = "", list[int]()
+        timed_out, order, stopped = "", list[int](), list[int]()
         try:
-            codes = tb.wait(procs, limit, grace=grace, exited=order)
+            codes = wait_procs(procs, limit, grace=grace, exited=order, stopped=stopped)
         except CommTimeoutError as exc:
             timed_out = str(exc)
             codes = [p.returncode if p.returncode is not None else -9 for p in procs]
@@ -87,15 +89,28 @@ def run_script(
     if timed_out:
         print(f"lowband run: {timed_out}", file=sys.stderr)
     elif failed:
-        first = next((r for r in order if codes[r] != 0), failed[0][0])
-        print(
-            f"lowband run: rank {first} exited with code {codes[first]} first; exit codes {codes} "
-            f"(a rank still running {grace:g} s after the first failure is stopped)",
-            file=sys.stderr,
-        )
+        print(f"lowband run: {blame_line(codes, order, stopped, grace)}", file=sys.stderr)
     if report:
         _write_report(Path(report), label, shaped, layout, codes, before, after)
     return 1 if failed or timed_out else 0
+
+
+def blame_line(codes: list[int], order: list[int], stopped: list[int], grace: float) -> str:
+    """The rank that failed first, named: a rank found stopped (state T) when the first failure came
+    outranks every exit (the others timed out waiting for it); else the first rank seen to fail (a
+    signal death first among those seen at once)."""
+    tail = f"exit codes {codes} (a rank still running {grace:g} s after the first failure is stopped)"
+    if stopped:
+        return (
+            f"rank {stopped[0]} stopped answering first (its process was stopped, state T: SIGSTOP, a "
+            f"suspended job, a debugger; killed once another rank failed); {tail}"
+        )
+    first = next((r for r in order if codes[r] != 0), next(r for r, c in enumerate(codes) if c != 0))
+    code = codes[first]
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+        return f"rank {first} was killed by {name} (exit code {code}) first; {tail}"
+    return f"rank {first} exited with code {code} first; {tail}"
 
 
 def _write_report(
