@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import lowband
-from lowband.launcher import failure_report
+from lowband.blame import failure_report
 from lowband.strategies import make_strategy
 from lowband.testbed.procs import wait_procs
 from lowband.testing import run_processes

@@ -31,7 +31,8 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lowband.blame import failure_report, proc_state, rank_pids, read_reports, write_pid, write_report
+from lowband.blame import failure_report as failure_report  # re-exported: the launch error's text
+from lowband.blame import proc_state, rank_pids, read_reports, write_pid, write_report
 from lowband.devices import check_ranks
 from lowband.errors import InvalidArgumentError, LowbandError
 
