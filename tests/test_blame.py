@@ -146,13 +146,17 @@ def test_wait_procs_sees_signal_deaths_and_stopped_processes_first() -> None:
     assert order == [1, 0], order
 
 
-def test_lowband_run_names_the_stopped_rank(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "testbed", [["--mode", "loopback", "--grace", "20"], []], ids=["testbed", "torchrun"]
+)
+def test_lowband_run_names_the_stopped_rank(testbed: list[str], tmp_path: Path) -> None:
     """Rank 1 stops itself (SIGSTOP) while rank 0 waits in a collective: rank 0 times out, and the run
-    names rank 1 as the cause (not rank 0's exit), without waiting out the grace period on it."""
-    cmd = [sys.executable, "-m", "lowband.cli", "run", "-n", "2", "--mode", "loopback", "--timeout", "3"]
+    names rank 1 as the cause (not rank 0's exit), without waiting out the grace period (the testbed's)
+    or torch's 30 s SIGTERM wait (torchrun's agent) on it."""
+    cmd = [sys.executable, "-m", "lowband.cli", "run", "-n", "2", *testbed, "--timeout", "3"]
     t0 = time.monotonic()
     out = subprocess.run(
-        [*cmd, "--grace", "20", str(TESTS / "_run_user_script.py"), "stop", str(tmp_path)],
+        [*cmd, str(TESTS / "_run_user_script.py"), "stop", str(tmp_path)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     took = time.monotonic() - t0

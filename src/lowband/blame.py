@@ -42,6 +42,57 @@ def proc_state(pid: int) -> str | None:
     return fields[0] if fields else None
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent process id of ``pid`` (from ``/proc``), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+        return int(stat[stat.rfind(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def child_ranks(parent: int) -> dict[int, int]:
+    """Rank -> process id of ``parent``'s children that carry ``RANK`` in their environment (the
+    workers torchrun's agent starts as subprocesses)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return out
+    for name in names:
+        if not name.isdigit() or parent_of(int(name)) != parent:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        rank = next((v[5:] for v in env if v.startswith(b"RANK=")), b"")
+        if rank.isdigit():
+            out[int(rank)] = int(name)
+    return out
+
+
+def signal_cause(failures: dict[int, Any], seen_stopped: dict[int, float]) -> str | None:
+    """For a launch without the ranks' reports (torchrun's): the cause when it is a rank that stopped
+    answering or was killed by a signal (earliest first), in one line; None otherwise."""
+    if seen_stopped:
+        r = min(seen_stopped, key=lambda k: (seen_stopped[k], k))
+        return (
+            f"rank {r} stopped answering first (its process was stopped, state T: SIGSTOP, a suspended "
+            "job, a debugger; killed once another rank ended); the other ranks' errors follow from it"
+        )
+    deaths = [r for r, f in failures.items() if f.exitcode < 0]
+    if not deaths:
+        return None
+    r = min(deaths, key=lambda k: (float(failures[k].timestamp), k))
+    return (
+        f"rank {r} was killed by {failures[r].signal_name()} (exit code {failures[r].exitcode}) first; "
+        "the other ranks' errors follow from it"
+    )
+
+
 def write_pid(report_dir: str, rank: int) -> None:
     """Record this rank's process id for its peers' :func:`stopped_ranks`."""
     tmp = os.path.join(report_dir, f".{rank}.pid")

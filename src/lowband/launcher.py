@@ -31,8 +31,17 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lowband.blame import (
+    child_ranks,
+    parent_of,
+    proc_state,
+    rank_pids,
+    read_reports,
+    signal_cause,
+    write_pid,
+    write_report,
+)
 from lowband.blame import failure_report as failure_report  # re-exported: the launch error's text
-from lowband.blame import proc_state, rank_pids, read_reports, write_pid, write_report
 from lowband.devices import check_ranks
 from lowband.errors import InvalidArgumentError, LowbandError
 
@@ -96,12 +105,36 @@ class _StoppedWatch:
 
 
 def _is_child(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-        return int(stat[stat.rfind(")") + 2 :].split()[1]) == os.getpid()
-    except (OSError, ValueError, IndexError):
-        return False
+    return parent_of(pid) == os.getpid()
+
+
+class _ChildWatch:
+    """``lowband run`` (torchrun's agent runs in this process, its workers are our children): once a
+    worker has ended while another is stopped (state T), kill the stopped one (the agent would wait 30 s
+    for it to obey its SIGTERM) and remember it: it is the cause of the others' timeouts."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self.seen: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lowband-run-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        known: dict[int, int] = {}
+        while not self._stop.wait(self.interval):
+            known.update(child_ranks(os.getpid()))
+            states = {r: proc_state(pid) for r, pid in known.items()}
+            if not any(st in (None, "Z") for st in states.values()):
+                continue  # every worker still runs (or is stopped by choice: nobody waits on it yet)
+            for r, st in sorted(states.items()):
+                if st == "T" and r not in self.seen and _is_child(known[r]):
+                    self.seen[r] = time.time()
+                    os.kill(known[r], signal.SIGKILL)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def loopback_store() -> tuple[Any, int]:
@@ -307,14 +340,20 @@ def run_command(argv: Sequence[str]) -> int:
         opts += ["--nnodes", "1", "--node-rank", "0"]
     out = opts + rest
     args = parser.parse_args(out)
+    watch = _ChildWatch()
     try:
         torch_run(args)  # type: ignore[no-untyped-call]
-    except Exception as exc:  # ChildFailedError prints its own report
+    except Exception as exc:  # ChildFailedError: the ranks printed their own errors
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
         if isinstance(exc, ChildFailedError):
+            watch.close()
+            cause = signal_cause(exc.failures, watch.seen)
+            if cause is not None:
+                print(f"lowband run: {cause}", file=sys.stderr, flush=True)
             return 1
         raise LowbandError(f"lowband run: {type(exc).__name__}: {exc}") from exc
     finally:
+        watch.close()
         del store
     return 0
