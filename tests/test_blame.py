@@ -163,3 +163,11 @@ def test_lowband_run_names_the_stopped_rank(testbed: list[str], tmp_path: Path) 
     assert out.returncode == 1, out.stderr[-3000:]
     assert "lowband run: rank 1 stopped answering first" in out.stderr, out.stderr[-3000:]
     assert took < 20, f"took {took:.1f} s: the stopped rank was left to the grace period"
+
+
+def test_blame_line_of_lowband_run_and_bench() -> None:
+    from lowband.testbed.run import blame_line
+
+    assert blame_line([1, -9], [1, 0], [], 10).startswith("rank 1 was killed by SIGKILL (exit code -9) first")
+    assert blame_line([1, 0], [0, 1], [], 10).startswith("rank 0 exited with code 1 first")
+    assert blame_line([1, -9], [0, 1], [1], 10).startswith("rank 1 stopped answering first")

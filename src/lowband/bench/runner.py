@@ -26,6 +26,8 @@ from lowband.bench.report import legend, markdown_table, plot_all, sweep_table, 
 from lowband.bench.resources import check_resources, machine, rank_bytes
 from lowband.errors import LowbandError
 from lowband.testbed import Layout, Testbed
+from lowband.testbed.procs import wait_procs
+from lowband.testbed.run import blame_line
 
 
 def link_shares(layout: Layout) -> list[Rates]:
@@ -121,14 +123,18 @@ def run_bench(
             bar = tqdm(desc=f"bench {what}, {tb.label()}", unit=unit, disable=quiet, file=sys.stderr)
             follower = threading.Thread(target=_follow, args=(procs[0].stdout, bar, logs[0]), daemon=True)
             follower.start()
-            codes = tb.wait(procs, timeout, grace=10.0)
+            order, stopped = list[int](), list[int]()
+            codes = wait_procs(procs, timeout, grace=10.0, exited=order, stopped=stopped)
             follower.join(timeout=10)
             bar.close()
         finally:
             for f in logs:
                 f.close()
         if any(codes) or not (out / "raw.json").exists():
-            raise LowbandError("lowband bench: the ranks failed\n" + failed_ranks(codes, out / "logs"))
+            cause = f" ({blame_line(codes, order, stopped, 10.0)})" if any(codes) else ""
+            raise LowbandError(
+                f"lowband bench: the ranks failed{cause}\n" + failed_ranks(codes, out / "logs")
+            )
         shaped, label = tb.shaped, tb.label()
     raw = json.loads((out / "raw.json").read_text())
     link_rate = layout.bottleneck() if shaped else None
