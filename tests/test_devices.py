@@ -16,7 +16,8 @@ import torch.distributed as dist
 import lowband
 from lowband import devices
 from lowband.comm import validate
-from lowband.comm.batch import _host_staged, _stage, recv_op, send_op
+from lowband.comm.batch import _stage, recv_op, send_op
+from lowband.comm.contract import host_staged as _host_staged
 from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.testing import run_processes, run_threads
 

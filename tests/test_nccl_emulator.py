@@ -1,5 +1,5 @@
 """The NCCL-semantics emulator (lowband.comm.nccl_emulator): each rule catches its violation on gloo, correct
-use passes, and lowband's own ops run under it (those that break a rule are strict xfails naming where)."""
+use passes, and lowband's own ops run under it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 
@@ -19,7 +18,7 @@ import lowband
 from lowband.comm.batch import Channel, recv_op, send_op
 from lowband.comm.nccl_emulator import NcclContractError, NcclEmulator, op_log, register_backend
 from lowband.runtime import current
-from lowband.testing import RankFailures, run_threads
+from lowband.testing import run_threads
 
 CPU = torch.device("cpu")
 
@@ -221,12 +220,9 @@ def test_lowband_collectives_run_under_the_emulator() -> None:
         assert out["a2a"] == [float(r), float(10 + r)] and out["data_only"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="comm/p2p.py isend/irecv send the (dtype, shape) header on the data group g.pg, not g.ctl",
-)
 def test_lowband_p2p_puts_only_data_on_the_data_group() -> None:
+    """lowband.send's (dtype, shape) header and its answer go on the control group (comm/p2p.py)."""
+
     def fn() -> list[str]:
         if lowband.rank() == 0:
             lowband.send(torch.ones(3), 1)
@@ -238,13 +234,10 @@ def test_lowband_p2p_puts_only_data_on_the_data_group() -> None:
         assert dtypes == ["torch.float32"], dtypes
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RankFailures,
-    reason="comm/batch.py Channel.post posts each message alone (pg.recv / pg.send, receives first): "
-    "both ranks' first unbatched op on the pair is a receive, a deadlock on NCCL's shared pair stream",
-)
 def test_lowband_batched_exchange_under_the_emulator() -> None:
+    """comm/batch.py posts an exchange round as one coalesced batch under NCCL's contract (receiving
+    first, each message alone, would deadlock on NCCL's shared pair stream)."""
+
     def fn() -> list[float]:
         r = lowband.rank()
         buf = torch.zeros(3)

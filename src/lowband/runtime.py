@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
 
 from lowband import devices
+from lowband.comm import contract
 from lowband.comm.handle import check_timeout
 from lowband.comm.trace import Tracer
 from lowband.config import Config
@@ -150,11 +151,14 @@ def init(
         be = be or devices.default_backend(dev)
         # eager NCCL set-up for this rank's GPU (torch creates the communicator at init, not lazily)
         eager: dict[str, Any] = {"device_id": dev} if dev.type == "cuda" and "nccl" in be else {}
+        if "nccl" in be:  # a failed or timed-out NCCL op raises in Python (lowband.comm.contract)
+            contract.nccl_env()
+        gtd = contract.group_timeout(config.timeout, be)  # NCCL's watchdog fires after lowband's error
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             store, r, n = join_env(config.timeout)  # names the ranks that did not join, if any
-            dist.init_process_group(be, store=store, rank=r, world_size=n, timeout=td, **eager)
+            dist.init_process_group(be, store=store, rank=r, world_size=n, timeout=gtd, **eager)
         else:
-            dist.init_process_group(be, store=HashStore(), rank=0, world_size=1, timeout=td, **eager)
+            dist.init_process_group(be, store=HashStore(), rank=0, world_size=1, timeout=gtd, **eager)
         owns = True
     rank, size = dist.get_rank(), dist.get_world_size()
     ls = _resolve_local_size(size, local_size)
@@ -240,7 +244,9 @@ def _new_group(ctx: Context, ranks: list[int], name: str) -> Group | None:
             store = PrefixStore(f"lowband/group{key}-emu", ctx.store)
             pg = nccl_emulator.emulate(pg, store, me, n, name, ctx.config.timeout)
     else:
-        pg = dist.new_group(ranks=ranks, timeout=ctx.timeout_td())
+        pg = dist.new_group(
+            ranks=ranks, timeout=contract.group_timeout(ctx.config.timeout, str(dist.get_backend()))
+        )
         ctl = dist.new_group(ranks=ranks, timeout=ctx.timeout_td(), backend="gloo")
         if ctx.rank not in ranks:
             return None

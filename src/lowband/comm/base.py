@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lowband.comm import validate
+from lowband.comm import contract, validate
 from lowband.comm.control import Prediction
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
@@ -69,12 +69,19 @@ def make_handle(
     sent: int = 0,
     received: int = 0,
     guard: Prediction | None = None,
+    device: torch.device | None = None,
+    polled: bool = True,
 ) -> Handle[T]:
     """Issue the torch works (in program order, on the caller's thread) and wrap them in a handle.
-    ``guard``: the argument check's prediction (:func:`validate.check`), which watches the works."""
+    ``guard``: the argument check's prediction (:func:`validate.check`), which watches the works.
+    ``device``: where the op's tensors live (default: the rank's device); under NCCL's contract the
+    works are polled, never waited with a timeout (:mod:`lowband.comm.contract`); ``polled=False``: the
+    op's works already follow the contract (point-to-point, whose headers ride the control group)."""
     tracer = ctx.tracer
     ev = tracer.start(op, name, int(sent), int(received), g.name) if tracer.enabled else None
     works = issue()
+    if polled:
+        works = contract.polled(works, g.pg, ctx.device if device is None else device)
     if guard is not None:
         works = guard.watch(list(works))
     return Handle(

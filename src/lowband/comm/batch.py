@@ -21,12 +21,15 @@ tracer, captured on the rank's own thread.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from lowband.comm import contract
 from lowband.comm.base import nbytes, resolve
+from lowband.comm.contract import host_staged
 from lowband.comm.handle import Handle, comm_error
 from lowband.comm.trace import Tracer
 from lowband.errors import InvalidArgumentError
@@ -135,17 +138,37 @@ class Channel:
         """Post every message in order; returns torch's works (raw; prefer :meth:`ibatch`)."""
         self._check(op, ops)
         pg = self.group.pg
-        works: list[Any] = []
+        devs = list(dict.fromkeys(m.tensor.device for m in ops))
+        nccl = [d for d in devs if contract.nccl_semantics(pg, d)]
         try:
-            for m in ops:
-                if m.kind == SEND:
-                    w = pg.send([m.tensor], m.peer, m.tag)
+            if not nccl:
+                return [self._post_one(pg, m) for m in ops]
+            # NCCL's contract: a pair's sends and receives share one stream and tags are ignored, so
+            # the round's messages on each such device go as one coalesced batch (matched by order)
+            works: list[Any] = []
+            for d in devs:
+                ms = [m for m in ops if m.tensor.device == d]
+                if d in nccl:
+                    if any(m.abandon_if is not None for m in ms):
+                        raise InvalidArgumentError(
+                            f"{self.where(op, name)}: a refusable message cannot ride an NCCL batch "
+                            "(windows use a gloo channel of their own)"
+                        )
+                    works += contract.coalesced(pg, d, functools.partial(self._post_all, pg, ms))
                 else:
-                    w = pg.recv([m.tensor], m.peer, m.tag)
-                works.append(w if m.abandon_if is None else _Abandonable(w, m.abandon_if))
+                    works += [self._post_one(pg, m) for m in ms]
+            return works
         except RuntimeError as exc:  # a pair closed by an earlier timeout, a dead peer
             raise comm_error(self.where(op, name), exc, self.timeout) from exc
-        return works
+
+    @classmethod
+    def _post_all(cls, pg: Any, ms: list[P2POp]) -> list[Any]:
+        return [cls._post_one(pg, m) for m in ms]
+
+    @staticmethod
+    def _post_one(pg: Any, m: P2POp) -> Any:
+        w = pg.send([m.tensor], m.peer, m.tag) if m.kind == SEND else pg.recv([m.tensor], m.peer, m.tag)
+        return w if m.abandon_if is None else _Abandonable(w, m.abandon_if)
 
     def ibatch(
         self,
@@ -166,7 +189,7 @@ class Channel:
             received = sum(nbytes(m.tensor) for m in ops if m.kind == RECV and not m.control)
             ev = tracer.start(op, name, sent, received, self.group.name)
         staged: list[tuple[P2POp, torch.Tensor]] = []
-        if any(m.tensor.device.type == "cuda" for m in ops) and _host_staged(self.group.pg):
+        if any(m.tensor.device.type == "cuda" for m in ops) and host_staged(self.group.pg):
             ops = [_stage(m, staged) for m in ops]
         works = self.post(op, ops, name)
         if after_post is not None:
@@ -195,20 +218,6 @@ class Channel:
     ) -> None:
         """Post ``ops`` and wait for them (at most ``timeout`` seconds, default the channel's)."""
         self.ibatch(op, ops, lambda: None, name=name, trace=trace).wait(timeout)
-
-
-def _host_staged(pg: Any) -> bool:
-    """Whether GPU tensors on ``pg`` must travel through host memory: gloo's point-to-point moves host
-    buffers only (its collectives stage GPU tensors themselves; its send/recv do not). NCCL moves them
-    as they are."""
-    import torch.distributed as dist
-
-    if isinstance(pg, dist.ProcessGroupGloo):
-        return True
-    try:
-        return str(pg._get_backend(torch.device("cuda")).name()) == "gloo"
-    except (RuntimeError, AttributeError):
-        return False  # no backend serves CUDA here: torch's own error names it when the op is posted
 
 
 def _stage(m: P2POp, staged: list[tuple[P2POp, torch.Tensor]]) -> P2POp:

@@ -77,7 +77,7 @@ def ibroadcast(
     m = nbytes(t)
     sent = m * (g.size - 1) if g.rank == root else 0
     recv = 0 if g.rank == root else m
-    return make_handle(ctx, g, "broadcast", name, issue, finish, sent, recv, guard)
+    return make_handle(ctx, g, "broadcast", name, issue, finish, sent, recv, guard, t.device)
 
 
 def broadcast(

@@ -284,6 +284,12 @@ class Watched:
     def get_future(self) -> Any:
         return self.work.get_future()
 
+    def abort(self) -> None:
+        """Abort the watched work's communicator, where it has one to abort (NCCL's contract)."""
+        abort = getattr(self.work, "abort", None)
+        if abort is not None:
+            abort()
+
 
 @dataclass(eq=False)
 class Prediction:

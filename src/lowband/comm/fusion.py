@@ -123,7 +123,9 @@ def igrouped_allreduce(
         return list(outs)
 
     nb = sum(ring_bytes(nbytes(t), p) for t in ts)
-    return make_handle(ctx, g, "grouped_allreduce", name, issue, finish, nb, nb, guard)
+    return make_handle(
+        ctx, g, "grouped_allreduce", name, issue, finish, nb, nb, guard, ts[0].device if ts else None
+    )
 
 
 def grouped_allreduce(

@@ -107,7 +107,7 @@ def iallgather(
 
     es = t.element_size()
     nb = mx * row * es * (p - 1)
-    return make_handle(ctx, g, "allgather", name, issue, finish, nb, nb, guard)
+    return make_handle(ctx, g, "allgather", name, issue, finish, nb, nb, guard, t.device)
 
 
 def allgather(
@@ -196,7 +196,7 @@ def ialltoall(
     me = g.rank
     sent = (sum(send_splits) - send_splits[me]) * row
     recv = (sum(rsplits) - rsplits[me]) * row
-    return make_handle(ctx, g, "alltoall", name, issue, lambda: (out, final), sent, recv, guard)
+    return make_handle(ctx, g, "alltoall", name, issue, lambda: (out, final), sent, recv, guard, t.device)
 
 
 def alltoall(

@@ -143,6 +143,11 @@ class Handle(Generic[T]):
                 except LowbandError:  # a lowband work raised its own (an argument mismatch, a refused send)
                     raise
                 except RuntimeError as exc:
+                    if _is_timeout(exc):  # lowband's timeout passed: an NCCL communicator is torn down
+                        for stuck in w.works:
+                            abort = getattr(stuck, "abort", None)
+                            if abort is not None:
+                                abort()
                     raise comm_error(self._where(), exc, timeout) from exc
             w.done = True
         finally:

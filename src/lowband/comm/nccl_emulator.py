@@ -183,6 +183,7 @@ class EmulatedWork(dist.Work):
         self.emu, self.inner, self.op, self.outputs = emu, inner, op, outputs
         self.thread, self.thread_name = threading.get_ident(), threading.current_thread().name
         self.waited = False
+        self.failure: RuntimeError | None = None
 
     def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
         emu = self.emu
@@ -193,6 +194,9 @@ class EmulatedWork(dist.Work):
         # Polled (host-side, CPU emulation only) so that a violation a peer found, which aborts the group
         # through the store, ends this wait at once instead of at gloo's timeout. gloo's point-to-point
         # works complete only inside wait(), so those are polled with short gloo waits (which gloo allows).
+        if self.failure is not None:
+            emu.check_usable(self.op)
+            raise self.failure
         done = self.waited
         while not done and not (done := self._done(limit - (time.monotonic() - start))):
             if time.monotonic() - start >= limit:
@@ -213,6 +217,8 @@ class EmulatedWork(dist.Work):
         """Whether the gloo work finished, waiting at most ~50 ms (some gloo works, such as send, recv and
         reduce_scatter, complete only inside wait(); a gloo timed wait that expires leaves them going)."""
         if self.inner.is_completed():
+            if not self.inner.is_success():
+                self.inner.wait()  # a failed work: raise its error (never swallow it)
             return True
         try:
             self.inner.wait(datetime.timedelta(seconds=min(0.05, max(left, 0.001))))
@@ -223,7 +229,17 @@ class EmulatedWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        return bool(self.inner.is_completed())
+        """NCCL reports a work complete without a wait (``WorkNCCL::isCompleted`` queries its CUDA
+        events); gloo's point-to-point works complete only inside ``wait``, so a short gloo wait (which
+        gloo allows) observes them here. A failure reads as completed; ``wait`` raises it."""
+        if self.waited or self.inner.is_completed():
+            return True
+        try:
+            self.waited = self._done(0.0)
+        except RuntimeError as exc:
+            self.failure = exc
+            return True
+        return self.waited
 
     def get_future(self) -> torch.futures.Future[Any]:
         return rule_future_at_enqueue(self)

@@ -10,8 +10,12 @@ as soon as the answer arrives, instead of waiting its full timeout for a receive
 ``then``-chained), after the header matched; so with checking on, a receive's data moves at ``wait()``.
 With ``check=False`` both sides are one nonblocking torch op each.
 
-``tag`` values must be in ``[0, 2**30)``; lowband uses ``2*tag`` for data and ``2*tag+1`` for headers
-(and, on the control process group, for answers).
+The header and its answer travel on the group's control process group (CPU gloo), so the data group
+carries only the data: under NCCL (which ignores tags and matches a pair's messages by order) the data
+group sees one message per send. A GPU tensor on a gloo data group is staged through host memory.
+
+``tag`` values must be in ``[0, 2**30)``; lowband uses ``2*tag`` for data, and on the control group
+``2*tag+1`` for headers and ``2*tag`` for answers.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lowband.comm import validate
+from lowband.comm import contract, validate
 from lowband.comm.base import (
     check_name,
     checked_tensor,
@@ -32,6 +36,7 @@ from lowband.comm.base import (
     nbytes,
     resolve,
 )
+from lowband.comm.contract import host_staged
 from lowband.comm.handle import Handle, comm_error
 from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.group import Group
@@ -82,9 +87,9 @@ class _AnsweredSend:
         self.answer, self.reply, self.data = answer, reply, data
         self.where, self.sent = where, sent
 
-    def wait(self, timeout: datetime.timedelta) -> bool:
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         for w in self.parts:
-            w.wait(timeout)
+            w.wait() if timeout is None else w.wait(timeout)
             if w is self.answer and int(self.reply[0]) != _OK:
                 raise CollectiveMismatchError(
                     f"{self.where}: the receiver posted a receive for {_describe(self.reply[1:].tolist())} "
@@ -99,6 +104,15 @@ class _AnsweredSend:
         raise RuntimeError("Work::getFuture not implemented")  # waited by Handle's watcher instead
 
 
+def _wire(flat: torch.Tensor, g: Group, *, send: bool) -> torch.Tensor:
+    """What goes on the data group for ``flat``: itself, or a host copy of a GPU tensor where gloo
+    serves the group (gloo's send/recv move host buffers only); a receive's host copy is copied back
+    into the caller's tensor when the handle completes."""
+    if flat.device.type != "cuda" or not host_staged(g.pg):
+        return flat
+    return flat.to("cpu") if send else torch.empty_like(flat, device="cpu")
+
+
 def isend(
     tensor: torch.Tensor, dst: int, *, tag: int = 0, name: str | None = None, group: Group | None = None
 ) -> Handle[None]:
@@ -110,24 +124,29 @@ def isend(
     tag = _check_tag("send", ctx.rank, tag)
     if dst == g.rank:
         raise InvalidArgumentError(f"lowband.send on rank {ctx.rank}: cannot send to itself (dst={dst})")
-    buf = contiguous_flat(t)
+    buf = _wire(contiguous_flat(t), g, send=True)
     check = checking(ctx, g)
     where = f"lowband.send on rank {ctx.rank} (to rank {g.ranks[dst]}, tag {tag})"
 
     def issue() -> list[object]:
         if not check:
-            return [g.pg.send([buf], dst, 2 * tag)] if buf.numel() else []
+            return contract.polled([g.pg.send([buf], dst, 2 * tag)], g.pg, buf.device) if buf.numel() else []
         head = _header(t)
         if g.ctl is None:  # no control process group: no answer (a mismatch times out here)
             works = [g.pg.send([head], dst, 2 * tag + 1)]
-            return works + ([g.pg.send([buf], dst, 2 * tag)] if buf.numel() else [])
+            sends = [g.pg.send([buf], dst, 2 * tag)] if buf.numel() else []
+            return works + contract.polled(sends, g.pg, buf.device)
+        # the header (tag 2*tag+1) and its answer (tag 2*tag, the other way) go on the control group:
+        # the data group carries only data
         reply = torch.empty(1 + _HEAD, dtype=torch.int64, device="cpu")
-        answer = g.ctl.recv([reply], dst, 2 * tag + 1)
-        header = g.pg.send([head], dst, 2 * tag + 1)
-        data = g.pg.send([buf], dst, 2 * tag) if buf.numel() else None
+        answer = g.ctl.recv([reply], dst, 2 * tag)
+        header = g.ctl.send([head], dst, 2 * tag + 1)
+        data: Any = None
+        if buf.numel():
+            data = contract.polled([g.pg.send([buf], dst, 2 * tag)], g.pg, buf.device)[0]
         return [_AnsweredSend(header, answer, reply, data, where, _describe(head.tolist()))]
 
-    return make_handle(ctx, g, "send", name, issue, lambda: None, nbytes(t), 0)
+    return make_handle(ctx, g, "send", name, issue, lambda: None, nbytes(t), 0, polled=False)
 
 
 def send(
@@ -148,7 +167,7 @@ def irecv(
     tag = _check_tag("recv", ctx.rank, tag)
     if src == g.rank:
         raise InvalidArgumentError(f"lowband.recv on rank {ctx.rank}: cannot receive from itself (src={src})")
-    buf = contiguous_flat(t)
+    buf = _wire(contiguous_flat(t), g, send=False)
     check = checking(ctx, g)
     head = torch.empty(_HEAD, dtype=torch.int64, device="cpu")
     timeout = ctx.config.timeout
@@ -159,13 +178,13 @@ def irecv(
         if check:
             # Only the header is posted now: the data receive is posted once the header matches, so
             # a mismatched send raises here instead of aborting the process inside gloo.
-            return [g.pg.recv([head], src, 2 * tag + 1)]
-        return [g.pg.recv([buf], src, 2 * tag)] if buf.numel() else []
+            return [(g.pg if g.ctl is None else g.ctl).recv([head], src, 2 * tag + 1)]
+        return contract.polled([g.pg.recv([buf], src, 2 * tag)], g.pg, buf.device) if buf.numel() else []
 
     def answer(status: int, mine: torch.Tensor) -> Any:
         if g.ctl is None:
             return None
-        return g.ctl.send([torch.cat([torch.tensor([status], device="cpu"), mine])], src, 2 * tag + 1)
+        return g.ctl.send([torch.cat([torch.tensor([status], device="cpu"), mine])], src, 2 * tag)
 
     def finish() -> torch.Tensor:
         if check:
@@ -175,7 +194,7 @@ def irecv(
             try:
                 sent = answer(_OK, mine)
                 if buf.numel():
-                    g.pg.recv([buf], src, 2 * tag).wait(td)
+                    contract.polled([g.pg.recv([buf], src, 2 * tag)], g.pg, buf.device)[0].wait(td)
                 if sent is not None:
                     sent.wait(td)
             except RuntimeError as exc:
@@ -194,14 +213,15 @@ def irecv(
         try:
             sent = answer(_MISMATCH, mine)
             if dtype is not None and theirs[3] > 0:  # drain the data the sender has posted
-                g.pg.recv([torch.empty(theirs[3], dtype=dtype, device=t.device)], src, 2 * tag).wait(td)
+                drain = torch.empty(theirs[3], dtype=dtype, device=buf.device)
+                contract.polled([g.pg.recv([drain], src, 2 * tag)], g.pg, buf.device)[0].wait(td)
             if sent is not None:
                 sent.wait(td)
         except RuntimeError:
             pass  # the mismatch is the error to report
         raise error
 
-    return make_handle(ctx, g, "recv", name, issue, finish, 0, nbytes(t))
+    return make_handle(ctx, g, "recv", name, issue, finish, 0, nbytes(t), polled=False)
 
 
 def recv(

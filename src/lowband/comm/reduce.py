@@ -84,7 +84,7 @@ def iallreduce(
         return out
 
     nb = ring_bytes(nbytes(t), size)
-    return make_handle(ctx, g, "allreduce", name, issue, finish, nb, nb, guard)
+    return make_handle(ctx, g, "allreduce", name, issue, finish, nb, nb, guard, t.device)
 
 
 def allreduce(
@@ -138,7 +138,7 @@ def ireduce_scatter(
         return out
 
     nb = (p - 1) * nbytes(t) // p
-    return make_handle(ctx, g, "reduce_scatter", name, issue, finish, nb, nb, guard)
+    return make_handle(ctx, g, "reduce_scatter", name, issue, finish, nb, nb, guard, t.device)
 
 
 def reduce_scatter(

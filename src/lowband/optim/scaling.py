@@ -78,10 +78,12 @@ def zero_nonfinite_(grads: Sequence[Tensor], inv_scale: Tensor) -> Tensor:
     the device, without a host synchronisation. ``inv_scale`` = 1 checks without unscaling (the non-finite
     policy, :mod:`lowband.optim.nonfinite`)."""
     with torch.no_grad():
+        # a sparse gradient (an embedding table's) is checked through its values, as GradScaler does
+        dense = [g._values() if g.is_sparse else g for g in grads]
         flag = torch.zeros(1, dtype=torch.float32, device=inv_scale.device)
-        torch._amp_foreach_non_finite_check_and_unscale_(list(grads), flag, inv_scale)
+        torch._amp_foreach_non_finite_check_and_unscale_(dense, flag, inv_scale)
         bad = flag.bool()
-        for g in grads:
+        for g in dense:
             g.masked_fill_(bad, 0.0)
     return flag
 
