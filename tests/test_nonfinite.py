@@ -164,3 +164,44 @@ def test_skip_leaves_models_and_residuals_untouched(name: str) -> None:
             "training stopped after the skip"
         )
         assert torch.isfinite(r["flats"][-1]).all()
+
+
+def _powersgd_after_compression(policy: str) -> dict[str, Any]:
+    """PowerSGD compressing from step 2 (its error memory in use); rank 1's gradient NaN at step 4."""
+    m = em.model(seed=5)
+    s = make_strategy("powersgd", m, em.sgd, start_iter=2, on_nonfinite=policy)
+    bias = m.mlp[2].bias
+    out: dict[str, Any] = {}
+    try:
+        for step in range(6):
+            value = math.nan if step == 4 and lowband.rank() == 1 else 0.0
+            b = em.batch(lowband.rank(), step)
+            if step == 4:
+                out["memory_before"] = {k: v.tolist() for k, v in s.state.error_dict.items()}
+                out["params_before"] = em.flat(m).tolist()
+            s.train_step(lambda mod, b=b, value=value: em.loss(mod, b) + value * bias.sum())
+            if step == 4:
+                out["memory_after"] = {k: v.tolist() for k, v in s.state.error_dict.items()}
+                out["params_after"] = em.flat(m).tolist()
+    except NonFiniteError as exc:
+        out["error"] = str(exc)
+    finally:
+        s.close()
+    out["memory_end"] = {k: v.tolist() for k, v in s.state.error_dict.items()}
+    return out
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_powersgd_memory_never_sees_a_nan(policy: str) -> None:
+    """The comm hook checks each bucket before torch's PowerSGD hook: no NaN reaches its error memory;
+    under skip the memory and the parameters are those before the step."""
+    res = run_processes(_powersgd_after_compression, 2, policy, timeout=120, backend="gloo", device="cpu")
+    for r, out in enumerate(res):
+        assert out["memory_before"], "PowerSGD compressed before the bad step"
+        memory = [v for vs in out["memory_end"].values() for v in vs]
+        assert all(math.isfinite(v) for v in memory), f"rank {r}: a non-finite value in the error memory"
+        if policy == "raise":
+            assert "rank 1 " in out["error"] and "at step 4" in out["error"], out["error"]
+        else:
+            assert "error" not in out
+            assert out["memory_after"] == out["memory_before"] and out["params_after"] == out["params_before"]

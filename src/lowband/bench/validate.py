@@ -74,6 +74,11 @@ def check_strategy_specs(specs: list[str], where: str = "lowband bench") -> None
 
     for spec in specs:
         name, options = parse_strategy_spec(spec)
+        policy = options.pop("on_nonfinite", "raise")  # common to every strategy (make_strategy)
+        if policy not in ("raise", "skip"):
+            raise InvalidArgumentError(
+                f"{where}: strategy {name!r}: on_nonfinite={policy!r}; use raise or skip"
+            )
         check_spec(STRATEGIES, name, options, where)
 
 

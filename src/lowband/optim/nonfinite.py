@@ -88,6 +88,8 @@ class NonFiniteGuard:
         self._flags: list[Tensor] = []  # this round's unit flags (device, 1 element), in check order
         self._labels: list[str] = []
         self._ones: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        #: state put back on a skipped step besides the stages' reducers (e.g. PowerSGD's comm hook)
+        self.restorers: list[Callable[[], None]] = []
 
     def attach(self, stage: GradientStage) -> None:
         """``stage`` checks each unit through this guard (and keeps its reducer's state for ``skip``)."""
@@ -153,6 +155,8 @@ class NonFiniteGuard:
         self.skipped += 1
         for s in self.stages:
             s.restore_reducer()
+        for restore in self.restorers:
+            restore()
         for p in [p for s in self.stages for u in s.units for p in u.params] + [p for _, p in params]:
             p.grad = None
 

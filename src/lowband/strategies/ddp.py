@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lowband.comm.initial import claim_initial_broadcast
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.nonfinite import NonFiniteGuard, snapshot
 from lowband.optim.scaling import GradUnscaler
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
@@ -158,16 +159,31 @@ def _set_rng_state(rng: np.random.RandomState, st: dict[str, Any]) -> None:
 
 @dataclass
 class _ScaledPowerSGD:
-    """The comm hook's state: torch's PowerSGD state, and the unscaler once fp16 scaling is on."""
+    """The comm hook's state: torch's PowerSGD state, the unscaler once fp16 scaling is on, and the
+    non-finite guard (with, under ``skip``, the hook's state as the step began)."""
 
     psgd: psgd.PowerSGDState
     unscaler: GradUnscaler | None = None
+    guard: NonFiniteGuard | None = None
+    saved: dict[str, Any] | None = None
+
+    def restore(self) -> None:
+        """A skipped step: PowerSGD's error memory, factors and counters as the step began."""
+        if self.saved is not None:
+            for slot, value in self.saved.items():
+                setattr(self.psgd, slot, value)
+            self.saved = None
 
 
 def _scaled_powersgd_hook(state: _ScaledPowerSGD, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """torch's ``powerSGD_hook`` on the bucket, unscaled first when loss scaling is on."""
+    """torch's ``powerSGD_hook`` on the bucket, unscaled first when loss scaling is on, else checked
+    for inf/NaN (zeroed and flagged on the device) so that none reaches PowerSGD's error memory."""
     if state.unscaler is not None:
         state.unscaler.unscale_([bucket.buffer()])
+    elif state.guard is not None and state.guard.enabled:
+        if state.guard.policy == "skip" and bucket.index() == 0:  # the step's first bucket
+            state.saved = snapshot({slot: getattr(state.psgd, slot) for slot in _PSGD_DYNAMIC})
+        state.guard.check_([bucket.buffer()], f"DDP bucket {bucket.index()}")
     return psgd.powerSGD_hook(state.psgd, bucket)
 
 
@@ -220,6 +236,13 @@ class PowerSGDStrategy(DDPStrategy):
 
     def _attach_unscaler(self, unscaler: GradUnscaler) -> None:
         self._hook_state.unscaler = unscaler
+
+    def set_nonfinite(self, policy: str) -> None:
+        super().set_nonfinite(policy)
+        guard = self.nonfinite
+        if guard is not None:  # each bucket checked in the comm hook, before PowerSGD's memory sees it
+            self._hook_state.guard = guard
+            guard.restorers.append(self._hook_state.restore)
 
     def extra_state(self) -> dict[str, Any]:
         # error-feedback memory and warm-start factors (per DDP bucket), the iteration counter and the

@@ -37,6 +37,7 @@ from lowband.comm.agree import agree, crc
 from lowband.errors import CollectiveMismatchError, InvalidArgumentError
 from lowband.group import Group
 from lowband.nn.sharding import shard_specs
+from lowband.nn.tied import tied_parameters
 
 #: options that do not change what the saved state means (bucket sizes regroup the same state; the
 #: non-finite policy keeps none): a checkpoint loads across them
@@ -105,19 +106,13 @@ def model_layout(model: nn.Module) -> dict[str, str]:
     """The model's parameter layout as configuration fields: which parameters are one tensor (tied),
     then each parameter's shape and dtype (a sharded one's global shape and cut)."""
     sharded = shard_specs(model)
-    first: dict[int, str] = {}
-    ties: dict[str, list[str]] = {}
     params: dict[str, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            ties.setdefault(first[id(p)], [first[id(p)]]).append(n)
-            continue
-        first[id(p)] = n
+    for n, p in model.named_parameters():  # a tied parameter once, under its first name
         spec = sharded.get(n)
         shape = tuple(p.shape) if spec is None else tuple(spec.global_shape)
         cut = "" if spec is None else f" sharded along dim {spec.dim}"
         params[f"parameter {n!r}"] = f"{shape} {p.dtype}{cut}"
-    tied = "; ".join(sorted(" = ".join(sorted(names)) for names in ties.values()))
+    tied = "; ".join(sorted(" = ".join(sorted(names)) for names in tied_parameters(model)))
     return {"tied parameters": tied or "none", **params}
 
 
