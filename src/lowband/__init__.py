@@ -37,6 +37,7 @@ from lowband.errors import (
     CommTimeoutError,
     InvalidArgumentError,
     LowbandError,
+    NonFiniteError,
     NotInitializedError,
 )
 from lowband.group import Group
@@ -66,7 +67,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CollectiveMismatchError", "CommFailedError", "CommTimeoutError", "Group", "Handle",
-    "InvalidArgumentError", "LowbandError", "NotInitializedError", "__version__", "allgather",
+    "InvalidArgumentError", "LowbandError", "NonFiniteError", "NotInitializedError", "__version__", "allgather",
     "allreduce", "alltoall", "barrier", "broadcast", "chrome_trace", "counters", "ddp_comm_hook", "destroy_group", "device", "gather_counters", "grouped_allreduce",
     "iallgather", "iallreduce", "ialltoall", "ibarrier", "ibroadcast", "igrouped_allreduce", "init",
     "irecv", "ireduce_scatter", "is_initialized", "isend", "launch", "local_group", "local_rank",

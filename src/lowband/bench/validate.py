@@ -69,15 +69,16 @@ def check_spec(registry: Registry[Any], name: str, options: dict[str, Any], wher
 
 def check_strategy_specs(specs: list[str], where: str = "lowband bench") -> None:
     """Every spec of ``-s``, checked as :func:`check_spec` says."""
+    from lowband.optim.nonfinite import POLICIES
     from lowband.strategies import parse_strategy_spec
     from lowband.strategies.registry import STRATEGIES
 
     for spec in specs:
         name, options = parse_strategy_spec(spec)
         policy = options.pop("on_nonfinite", "raise")  # common to every strategy (make_strategy)
-        if policy not in ("raise", "skip"):
+        if policy not in POLICIES:
             raise InvalidArgumentError(
-                f"{where}: strategy {name!r}: on_nonfinite={policy!r}; use raise or skip"
+                f"{where}: strategy {name!r}: on_nonfinite={policy!r}; use one of {', '.join(POLICIES)}"
             )
         check_spec(STRATEGIES, name, options, where)
 

@@ -236,7 +236,7 @@ class Strategy:
     no_skip_reason: str | None = None
 
     def set_nonfinite(self, policy: str) -> None:
-        """Catch non-finite gradients by ``policy`` ("raise" or "skip", :mod:`lowband.optim.nonfinite`);
+        """Catch non-finite gradients by ``policy`` ("raise", "skip" or "off", :mod:`lowband.optim.nonfinite`);
         :func:`~lowband.strategies.make_strategy` calls it (option ``on_nonfinite``, default "raise").
         Every rank alike, before the first step."""
         where = f"{type(self).__name__} (on_nonfinite={policy!r}) on rank {self.group.world_rank}"
