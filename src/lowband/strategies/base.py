@@ -156,7 +156,8 @@ class Strategy:
     def optimizer_step(self) -> None:
         """The wrapped optimizer's step; with a grad scaler, after :meth:`unscale_gradients`, skipped on
         every rank when any rank's gradients held inf/NaN, then the scale updated."""
-        self.check_nonfinite()
+        if not self.check_nonfinite():
+            return  # skipped on every rank: no optimizer step (nor a model averager's count or average)
         if self.grad_scaler is None:
             self.optimizer.step()
             return

@@ -93,6 +93,7 @@ class EmbeddingSyncStrategy(Strategy):
     """
 
     name = "embedding-sync"
+    no_skip_reason = "its tables' rows are exchanged and applied by their owners as the step syncs them"
 
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, bucket_mb: float = 25.0
@@ -181,10 +182,10 @@ class EmbeddingSyncStrategy(Strategy):
             seen[2] += self.coalesced[n].numel()
         if not self._reads_checked:
             self.check_lookup_only_reads()
+        self.check_nonfinite()  # the non-finite policy, before the tables' rows travel (Strategy.check_nonfinite)
         self.sync_tables()
         for v in self.ids.values():
             v.clear()
-        self.check_nonfinite()  # the non-finite policy (Strategy.check_nonfinite)
         self.optimizer.step()
 
     def synchronize(self) -> None:

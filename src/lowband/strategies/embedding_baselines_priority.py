@@ -54,6 +54,7 @@ class DensePriorityStrategy(Strategy):
     """Module docstring."""
 
     name = "dense-priority"
+    no_skip_reason = "it steps each layer as its reduction arrives, in the next forward"
 
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, chunk_mb: float = 4.0

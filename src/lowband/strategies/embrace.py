@@ -134,6 +134,7 @@ class EmbraceStrategy(Strategy):
     """Column-partitioned tables + allreduced dense parameters (module docstring)."""
 
     name = "embrace"
+    no_skip_reason = "its tables' gradient rows are exchanged during backward, before the step"
 
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, schedule: str = "hybrid",
