@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from lowband.comm import collectives as comm
-from lowband.errors import InvalidArgumentError
+from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError
 from lowband.group import Group
 from lowband.nn.sharding import ShardSpec, gather_full, shard_specs
 from lowband.optim.nonfinite import NonFiniteGuard
@@ -277,7 +277,15 @@ class Strategy:
             return True
         self.finish_gradients()
         covered = guard.covered()
-        return guard.decide([(n, p) for n, p in self.local_module.named_parameters() if id(p) not in covered])
+        try:
+            return guard.decide(
+                [(n, p) for n, p in self.local_module.named_parameters() if id(p) not in covered]
+            )
+        except (CommFailedError, CommTimeoutError) as exc:  # a dead or stopped peer, met at the agreement
+            raise type(exc)(
+                f"strategy {self.name!r}: the non-finite check at step {self.steps} on rank "
+                f"{self.group.world_rank}: {exc}"
+            ) from exc
 
     # -- consensus for evaluation and export ------------------------------------------------------
     def average_state_dict(self) -> dict[str, torch.Tensor]:

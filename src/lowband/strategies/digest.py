@@ -238,7 +238,13 @@ def check_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
     if mine is None or not isinstance(saved, Mapping):
         return
     free = {option_field(k) for k in STATELESS_OPTIONS}
-    diffs = [k for k in dict.fromkeys([*saved, *mine]) if k not in free and saved.get(k) != mine.get(k)]
+    # an option left unset now (None: decided at run time, e.g. DreamDDP's period, profile and schedule)
+    # takes the value the checkpoint restores
+    diffs = [
+        k
+        for k in dict.fromkeys([*saved, *mine])
+        if k not in free and mine.get(k) != "None" and saved.get(k) != mine.get(k)
+    ]
     if diffs:
         shown = "; ".join(
             f"{k} was {saved.get(k, 'missing')} when saved, is {mine.get(k, 'missing')} now"
