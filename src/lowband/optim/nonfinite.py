@@ -34,6 +34,7 @@ skips the step everywhere and backs the scale off): the guard steps aside. ``LOW
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -109,10 +110,23 @@ class NonFiniteGuard:
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
         for dev, gs in by_device.items():
-            one = self._ones.get((dev, torch.float32))
-            if one is None:
-                one = self._ones[(dev, torch.float32)] = torch.ones(1, dtype=torch.float32, device=dev)
-            self._flags.append(zero_nonfinite_(gs, one))
+            if dev.type == "cpu":
+                # on the CPU a host decision costs nothing: one read pass (the max-abs norms: inf/NaN
+                # anywhere makes them non-finite; no overflow of large finite values), gradients written
+                # only when one is bad
+                dense = [v for g in gs if (v := g._values() if g.is_sparse else g).numel()]
+                norms = torch._foreach_norm(dense, math.inf) if dense else []
+                total = torch.stack([n.double() for n in norms]).sum() if norms else torch.zeros(1)
+                bad = not bool(torch.isfinite(total))
+                if bad:
+                    for g in gs:
+                        (g._values() if g.is_sparse else g).zero_()
+                self._flags.append(torch.full((1,), float(bad), dtype=torch.float32, device="cpu"))
+            else:  # on an accelerator: flagged and zeroed on the device, no host synchronisation
+                one = self._ones.get((dev, torch.float32))
+                if one is None:
+                    one = self._ones[(dev, torch.float32)] = torch.ones(1, dtype=torch.float32, device=dev)
+                self._flags.append(zero_nonfinite_(gs, one))
             self._labels.append(label)
 
     def discard(self) -> None:
