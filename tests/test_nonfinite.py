@@ -211,7 +211,7 @@ def _guard_on_cpu() -> list[Any]:
     from lowband.optim.nonfinite import NonFiniteGuard
 
     guard = NonFiniteGuard("raise", lowband.world(), where="here", step=lambda: 0)
-    big, empty = torch.tensor([1e30, -3e38]), torch.empty(0)  # float32: their squares would overflow
+    big, empty = torch.tensor([3e38, 3e38]), torch.empty(0)  # float32: their sum overflows, they are finite
     guard.check_([big, empty], "finite")
     bad = torch.tensor([1.0, math.nan, 2.0], dtype=torch.float64)
     guard.check_([bad, torch.ones(2)], "bad")
@@ -220,7 +220,7 @@ def _guard_on_cpu() -> list[Any]:
 
 
 def test_cpu_check_reads_once_and_writes_only_a_bad_unit() -> None:
-    """Large finite values are not flagged (max-abs norms cannot overflow), an empty gradient is fine,
-    and only a flagged unit is zeroed."""
+    """Large finite values whose sum overflows are not flagged (a non-finite sum is confirmed element by
+    element), an empty gradient is fine, and only a flagged unit is zeroed."""
     flags, big, bad = run_threads(_guard_on_cpu, 1)[0]
-    assert flags == [0.0, 1.0] and big == torch.tensor([1e30, -3e38]).tolist() and bad == [0.0, 0.0, 0.0]
+    assert flags == [0.0, 1.0] and big == torch.tensor([3e38, 3e38]).tolist() and bad == [0.0, 0.0, 0.0]

@@ -34,7 +34,6 @@ skips the step everywhere and backs the scale off): the guard steps aside. ``LOW
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -111,13 +110,14 @@ class NonFiniteGuard:
             by_device.setdefault(g.device, []).append(g)
         for dev, gs in by_device.items():
             if dev.type == "cpu":
-                # on the CPU a host decision costs nothing: one read pass (the max-abs norms: inf/NaN
-                # anywhere makes them non-finite; no overflow of large finite values), gradients written
-                # only when one is bad
-                dense = [v for g in gs if (v := g._values() if g.is_sparse else g).numel()]
-                norms = torch._foreach_norm(dense, math.inf) if dense else []
-                total = torch.stack([n.double() for n in norms]).sum() if norms else torch.zeros(1)
-                bad = not bool(torch.isfinite(total))
+                # on the CPU a host decision costs nothing: one read pass (the sums: inf/NaN anywhere
+                # makes them non-finite), confirmed element-wise only if a sum is not finite (large
+                # finite values can overflow a sum); gradients written only when one is bad
+                dense = [g._values() if g.is_sparse else g for g in gs]
+                sums = [g.sum(dtype=torch.float32 if g.element_size() < 4 else None) for g in dense]
+                bad = bool(sums) and not bool(torch.isfinite(torch.stack([x.double() for x in sums]).sum()))
+                if bad:
+                    bad = not all(bool(torch.isfinite(g).all()) for g in dense)
                 if bad:
                     for g in gs:
                         (g._values() if g.is_sparse else g).zero_()
