@@ -115,14 +115,7 @@ def host_staged(pg: Any) -> bool:
     """Whether GPU tensors on ``pg`` must travel through host memory for point-to-point: gloo's
     send/recv move host buffers only (its collectives stage GPU tensors themselves); NCCL moves them
     as they are."""
-    import torch.distributed as dist
-
-    if isinstance(pg, dist.ProcessGroupGloo):
-        return True
-    try:
-        return str(pg._get_backend(torch.device("cuda")).name()) == "gloo"
-    except (RuntimeError, AttributeError):
-        return False  # no backend serves CUDA here: torch's own error names it when the op is posted
+    return _backend_name(pg, torch.device("cuda")) == "gloo"
 
 
 def polled(works: Sequence[Any], pg: Any, device: torch.device) -> list[Any]:
