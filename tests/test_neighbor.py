@@ -366,6 +366,7 @@ def test_neighbor_allgather_with_uneven_first_dims(n: int) -> None:
         e, *_ = _random_weights(n, 11)
         src = [j for j in range(n) if e[i, j]]
         dst = [k for k in range(n) if e[k, i]]
+        shuffled = src[1:] + src[:1]  # not ascending where there are two sources or more
         for dt in (torch.float64, torch.int64, torch.bool):
             rows = [data(j, (j % 3, 4), torch.float64, 80).to(dt) for j in range(n)]  # dim 0 of 0, 1 or 2
 
@@ -378,6 +379,9 @@ def test_neighbor_allgather_with_uneven_first_dims(n: int) -> None:
                 "pull": ({"src_ranks": src}, src),
                 "push": ({"dst_ranks": dst}, src),
                 "both": ({"src_ranks": src, "dst_ranks": dst}, src),
+                # the gathered order follows src_ranks as given (BlueFog's order), not ascending
+                "pull, given order": ({"src_ranks": shuffled}, shuffled),
+                "both, given order": ({"src_ranks": shuffled[::-1], "dst_ranks": dst[::-1]}, shuffled[::-1]),
             }
             for label, (kw, srcs) in cases.items():
                 got = neighbor_allgather(rows[i], **kw)  # type: ignore[arg-type]

@@ -241,8 +241,9 @@ def ineighbor_allgather(
     name: str | None = None,
     group: Group | None = None,
 ) -> Handle[Tensor]:
-    """Nonblocking gather of the in-neighbors' tensors, concatenated along dimension 0 in ascending source
-    rank (this rank's own tensor is not included; 0-d tensors count as one row).
+    """Nonblocking gather of the in-neighbors' tensors, concatenated along dimension 0 in the order of
+    ``src_ranks`` when given (as BlueFog), else in ascending source rank (this rank's own tensor is not
+    included; 0-d tensors count as one row).
 
     Sources and destinations: ``src_ranks`` and/or ``dst_ranks`` (a missing side is discovered, as for
     the weights of :func:`ineighbor_allreduce`), else ``topology``, else the group's static topology.
@@ -272,9 +273,12 @@ def ineighbor_allgather(
     dim0 = links.dim0 if links is not None else [src.shape[0]] * g.size
     rest = tuple(src.shape[1:])
     out = torch.empty((sum(dim0[j] for j, _ in rt.recv), *rest), dtype=t.dtype, device=t.device)
+    order = [j for j, _ in rt.recv]
+    if peers.recv is not None:  # src_ranks given: their order (the route's sources are the same ranks)
+        order = sorted(order, key=list(peers.recv).index)
     views: list[tuple[int, Tensor]] = []
     pos = 0
-    for j, _ in rt.recv:
+    for j in order:
         views.append((j, out[pos : pos + dim0[j]].view(-1)))
         pos += dim0[j]
     buf = contiguous_flat(src)

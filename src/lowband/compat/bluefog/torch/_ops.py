@@ -170,7 +170,8 @@ def neighbor_allgather_nonblocking(
     name: str | None = None,
 ) -> int:
     """Nonblocking gather of the in-neighbors' tensors (or ``src_ranks``'), concatenated along
-    dimension 0 in ascending source rank; this rank's own tensor is not included."""
+    dimension 0 in the order of ``src_ranks`` when given, else in ascending source rank (the order of
+    :func:`in_neighbor_ranks`); this rank's own tensor is not included."""
     with as_bluefog_errors():
         h = dn.ineighbor_allgather(
             tensor,
