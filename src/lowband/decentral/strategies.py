@@ -8,6 +8,11 @@ Options (keyword-only, validated):
   ``dynamic-exp2`` (one peer of the exponential-2 graph per round), ``inner-outer-exp2`` (BlueFog's
   dynamic inner/outer exponential-2 over machines of ``local_size`` ranks), ``full``. For
   ``hierarchical-atc`` it is the topology between machines; ``winput`` takes static ones only.
+  Default (:data:`DEFAULT_TOPOLOGY`) for ``atc``, ``awc`` and ``hierarchical-atc``: ``dynamic-exp2``,
+  sparse at every world size: each rank sends one model copy per communication to one peer and
+  receives one, whatever the number of ranks (a ring allreduce sends ``2 (n-1)/n`` copies: 1.33 at 3
+  ranks, 1.5 at 4). The static ``exp2`` sends ``ceil(log2 n)`` copies, and at 3 ranks it is the full
+  graph (2 copies, 1.5x DDP's bytes). ``winput`` (static topologies only) keeps ``exp2``.
 - ``allreduce_every = k`` (> 0): every k-th communication is a global allreduce of the parameters
   instead of a neighbor averaging (0: never). :meth:`in_sync` is True right after such a step.
 - ``period = H``: communicate every H-th step; the steps in between are local.
@@ -42,6 +47,9 @@ from lowband.topology.names import (
 
 #: a topology option: a registered name, a :class:`Topology` or a :class:`DynamicTopology`
 TopologyArg = str | Topology | DynamicTopology
+
+#: the neighbor-averaging strategies' default: one peer per round at every world size (module docstring)
+DEFAULT_TOPOLOGY = "dynamic-exp2"
 
 
 def _check_int(where: str, what: str, value: object, minimum: int) -> int:
@@ -119,7 +127,7 @@ class _NeighborStrategy(DecentralStrategy):
     optimizer_class: type[AdaptThenCombineOptimizer] | type[AdaptWithCombineOptimizer]
 
     def __init__(
-        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = "exp2",
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = DEFAULT_TOPOLOGY,
         allreduce_every: int = 0, period: int = 1,
     ) -> None:  # fmt: skip
         where = f"{type(self).__name__}"
@@ -153,7 +161,7 @@ class HierarchicalATCStrategy(DecentralStrategy):
     base_type = CommunicationType.hierarchical_neighbor_allreduce
 
     def __init__(
-        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = "exp2",
+        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = DEFAULT_TOPOLOGY,
         allreduce_every: int = 0, period: int = 1,
     ) -> None:  # fmt: skip
         where = f"{type(self).__name__}"
