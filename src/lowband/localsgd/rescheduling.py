@@ -28,7 +28,8 @@ from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.profiler import profile_model, refit_comm
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
-from lowband.localsgd.units import UnitSpec, choose_split, layer_geometry, plan_units, unit_profile
+from lowband.localsgd.trials import MODEL_ERROR, ScheduleTrial, contenders, decide
+from lowband.localsgd.units import UnitSpec, candidate_splits, layer_geometry, plan_units, unit_profile
 from lowband.optim.layerwise import LayerwiseOptimizer
 from lowband.strategies.base import LossFn, Strategy
 
@@ -51,6 +52,15 @@ class ScheduledStrategy(Strategy):
     reschedules: int
     profile_seconds: float
     _baseline: float | None
+    #: periods each contender runs when candidates are measured online (0: trust the prediction)
+    trial_periods: int
+    #: the scheduled candidates of the last (re)schedule: ``(chunk limit, predicted period s)``
+    candidates_predicted: list[tuple[int, float]]
+    #: every online decision: candidates' splits, predicted and measured periods, the one kept
+    trial_log: list[dict[str, object]]
+    _candidates: list[tuple[int, Schedule]]
+    _trial: ScheduleTrial | None
+    _last_step_end: float | None
 
     def _planner(self, profile: CostProfile) -> Callable[[int], list[UnitSpec]]:
         """Checks that ``profile`` holds the model's layers; returns ``max_bytes -> units``."""
@@ -78,15 +88,73 @@ class ScheduledStrategy(Strategy):
         """Raise :class:`CollectiveMismatchError` on every rank unless all ranks passed equal ``values``."""
         agree(self.group, what, values, fields=fields, where=self._where)
 
-    def _reschedule(self, profile: CostProfile, *, agree: bool = True) -> None:
-        """Units and schedule from ``profile`` (:func:`~lowband.localsgd.units.choose_split`)."""
+    def _reschedule(self, profile: CostProfile, *, agree: bool = True, measure: bool = False) -> None:
+        """Units and schedule from ``profile``: every candidate chunk limit
+        (:func:`~lowband.localsgd.units.candidate_splits`) is scheduled; the predicted best is used at
+        once. With ``measure`` (a profile measured by this run: at the first step, on drift), when others
+        are predicted within the model's error of it (:mod:`lowband.localsgd.trials`) they are measured
+        online, from this step on, before one is kept (``trial_periods=0``: the predicted best is kept). A
+        profile given to the constructor schedules from the prediction alone (repeatable)."""
         plan = self._planner(profile)
-        c, sched = choose_split(profile, plan, self.period, self.split, self.method)
-        self._set_units(profile, c, plan)
-        sched.validate(self.averager.n)
-        self.schedule = sched
+        cands = candidate_splits(profile, plan, self.period, self.split, self.method)
+        order = contenders([s.predicted_period for _, s in cands], MODEL_ERROR)
+        self._candidates = [cands[i] for i in order]
+        self.candidates_predicted = [(c, s.predicted_period) for c, s in cands]
+        self._trial = None
+        if measure and len(order) > 1 and self.trial_periods > 0 and self.group.size > 1:
+            self._trial = ScheduleTrial(len(order), self.period, self.trial_periods)
+        self._use_candidate(profile, 0, plan)
         if agree:
             self._agree("the schedule", [self._schedulecrc()])
+
+    def _use_candidate(
+        self, profile: CostProfile, k: int, plan: Callable[[int], list[UnitSpec]] | None = None
+    ) -> None:
+        """Average the units of candidate ``k`` (of :attr:`_candidates`) with its schedule from now on."""
+        c, sched = self._candidates[k]
+        self.synchronize()  # no averaging of the old units may be in flight
+        self._set_units(profile, c, plan or self._planner(profile))
+        sched.validate(self.averager.n)
+        self.schedule = sched
+
+    def _after_step(self) -> None:
+        """After every step (``self.steps`` counts it): the trial's timing and, at a period boundary, its
+        next contender or its decision; then the drift check (``reprofile_drift``)."""
+        now = time.perf_counter()
+        trial, last = self._trial, self._last_step_end
+        self._last_step_end = now
+        if trial is None:
+            if self.averager.timing and self.steps % self.period == 0:
+                self._check_drift()
+            return
+        if last is not None:
+            trial.record((self.steps - 1) % self.period, now - last)
+        if self.steps % self.period:
+            return
+        assert self.profile is not None
+        nxt = trial.advance()
+        if nxt is not None:
+            if self._candidates[nxt] != (self.split_bytes, self.schedule):
+                self._use_candidate(self.profile, nxt)
+            self._last_step_end = time.perf_counter()  # the switch's wait is not the next step's
+            return
+        # the slowest rank's figures, identical on every rank: every rank keeps the same contender
+        local = torch.tensor(trial.measured(), dtype=torch.float64, device="cpu")  # host timings
+        measured = allreduce(local, "max", group=self.averager.group).tolist()
+        win = decide(measured)
+        self.trial_log.append(
+            {
+                "step": self.steps,
+                "splits": [c for c, _ in self._candidates],
+                "predicted_s": [s.predicted_period for _, s in self._candidates],
+                "measured_s": measured,
+                "chosen": self._candidates[win][0],
+            }
+        )
+        self._trial = None
+        self._use_candidate(self.profile, win)
+        self._agree("the schedule chosen by measurement", [self._schedulecrc()])
+        self._last_step_end = time.perf_counter()
 
     def _profile_now(self, loss_fn: LossFn) -> None:
         """Profile on this batch with the per-layer updates on (their time is part of each layer's
@@ -110,7 +178,7 @@ class ScheduledStrategy(Strategy):
                 for p, old in zip(params, saved):
                     p.copy_(old)
             self.optimizer.load_state_dict(opt_state)
-        self._reschedule(prof)
+        self._reschedule(prof, measure=True)
         self.profile_seconds = time.perf_counter() - t0
 
     def predicted_step_time(self) -> float | None:
@@ -135,6 +203,6 @@ class ScheduledStrategy(Strategy):
         if self._baseline is None:
             self._baseline = spb
         elif abs(spb / self._baseline - 1.0) > self.reprofile_drift:
-            self._reschedule(refit_comm(self.profile, self.group))
+            self._reschedule(refit_comm(self.profile, self.group), measure=True)
             self.reschedules += 1
             self._baseline = None

@@ -62,6 +62,7 @@ from lowband.localsgd.rescheduling import ScheduledStrategy
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
 from lowband.localsgd.schedulers import scheduler_names
+from lowband.localsgd.trials import DEFAULT_TRIAL_PERIODS, ScheduleTrial
 from lowband.localsgd.units import (
     specs_from_checkpoint,
     unit_profile,
@@ -97,6 +98,7 @@ class PartialSyncStrategy(ScheduledStrategy):
         divergence_every: int = 0,
         split: int | str | None = None,
         scheduler: str | None = None,
+        trial_periods: int = DEFAULT_TRIAL_PERIODS,
     ) -> None:
         where = f"{type(self).__name__} on rank {group.world_rank}"
         self._where = where
@@ -136,6 +138,16 @@ class PartialSyncStrategy(ScheduledStrategy):
             raise InvalidArgumentError(
                 f"{where}: split must be 'auto' or a chunk size in bytes >= 0 (0: whole layers), got {split!r}"
             )
+        if isinstance(trial_periods, bool) or not isinstance(trial_periods, int) or trial_periods < 0:
+            raise InvalidArgumentError(
+                f"{where}: trial_periods must be an int >= 0 (0: keep the predicted best), got {trial_periods!r}"
+            )
+        self.trial_periods = trial_periods
+        self.candidates_predicted = []
+        self.trial_log = []
+        self._candidates = []
+        self._trial = None
+        self._last_step_end = None
         #: where the profile measured at the first step is saved (``profile=PATH`` of a missing file)
         self.profile_path: Path | None = None
         if isinstance(profile, (str, Path)) and not Path(profile).exists():
@@ -223,8 +235,7 @@ class PartialSyncStrategy(ScheduledStrategy):
             if self.profile_path is not None and self.group.rank == 0 and self.profile is not None:
                 save_profile_atomic(self.profile, self.profile_path)
         loss = super().train_step(loss_fn)
-        if self.averager.timing and self.steps % self.period == 0:
-            self._check_drift()
+        self._after_step()
         if self.divergence_every and self.steps % self.divergence_every == 0:
             self.synchronize()
             gamma = model_divergence([ps for _, ps in self.averager.layers], group=self.averager.group)
@@ -267,6 +278,9 @@ class PartialSyncStrategy(ScheduledStrategy):
             # the profile's measured interference (None before profiling), see localsgd.costmodel
             "kappa": None if self.profile is None else self.profile.kappa,
             "sigma": None if self.profile is None else self.profile.sigma,
+            # every candidate chunk limit with its predicted period, and the online decisions among them
+            "candidates": [[c, p] for c, p in self.candidates_predicted],
+            "trials": list(self.trial_log),
         }
         if self.divergence_log:
             out["divergence"] = self.divergence_log[-1][1]
@@ -295,6 +309,9 @@ class PartialSyncStrategy(ScheduledStrategy):
             "reschedules": self.reschedules,
             "baseline": self._baseline,
             "divergence_log": list(self.divergence_log),
+            "candidates": [[c, s.to_json()] for c, s in self._candidates],
+            "trial": None if self._trial is None else self._trial.to_json(),
+            "trial_log": list(self.trial_log),
         }
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
@@ -324,6 +341,12 @@ class PartialSyncStrategy(ScheduledStrategy):
         self.reschedules = int(state.get("reschedules", 0))
         self._baseline = state.get("baseline")
         self.divergence_log = [(int(s), float(g)) for s, g in state.get("divergence_log", [])]
+        self._candidates = [(int(c), Schedule.from_json(d)) for c, d in state.get("candidates", [])]
+        self.candidates_predicted = [(c, s.predicted_period) for c, s in self._candidates]
+        trial = state.get("trial")
+        self._trial = None if trial is None or not self._candidates else ScheduleTrial.from_json(trial)
+        self.trial_log = list(state.get("trial_log", []))
+        self._last_step_end = None
         self._agree("the restored schedule", [self._schedulecrc(), self.period])
 
     def close(self) -> None:

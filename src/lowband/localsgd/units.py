@@ -170,6 +170,29 @@ def specs_from_checkpoint(
     return specs
 
 
+def candidate_splits(
+    profile: CostProfile,
+    plan: Callable[[int], Sequence[UnitSpec]],
+    H: int,
+    split: int | str,
+    method: str,
+) -> list[tuple[int, Schedule]]:
+    """Every chunk limit ``split`` allows with its schedule (scheduler ``method``, period ``H``): ``split``
+    itself when it is a number of bytes; for ``"auto"`` each of :func:`auto_candidates` whose units differ
+    from a smaller limit's (``plan(limit)`` gives the units). Whole layers first."""
+    total = sum(lc.nbytes for lc in profile.layers)
+    limits = auto_candidates(total, H) if split == "auto" else [int(split)]
+    out: list[tuple[int, Schedule]] = []
+    seen: set[tuple[UnitSpec, ...]] = set()
+    for c in limits:
+        units = tuple(plan(c))
+        if units in seen:
+            continue
+        seen.add(units)
+        out.append((c, make_schedule(method, unit_profile(profile, units), H)))
+    return out
+
+
 def choose_split(
     profile: CostProfile,
     plan: Callable[[int], Sequence[UnitSpec]],
@@ -177,14 +200,10 @@ def choose_split(
     split: int | str,
     method: str,
 ) -> tuple[int, Schedule]:
-    """The chunk limit and the schedule (scheduler ``method``, period ``H``) for ``profile``: ``split``
-    itself when it is a number of bytes; for ``"auto"`` the limit of :func:`auto_candidates` whose
-    schedule predicts the shortest period (whole layers on ties). ``plan(limit)`` gives the units."""
-    total = sum(lc.nbytes for lc in profile.layers)
-    limits = auto_candidates(total, H) if split == "auto" else [int(split)]
+    """The candidate of :func:`candidate_splits` whose schedule predicts the shortest period (whole layers
+    on ties)."""
     best: tuple[int, Schedule] | None = None
-    for c in limits:
-        sched = make_schedule(method, unit_profile(profile, plan(c)), H)
+    for c, sched in candidate_splits(profile, plan, H, split, method):
         if best is None or sched.predicted_period < best[1].predicted_period * (1.0 - 1e-9):
             best = (c, sched)
     assert best is not None
