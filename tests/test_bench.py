@@ -69,21 +69,32 @@ def test_metrics_definitions() -> None:
     assert time_to_target(raw["runs"]["ddp"], 0.5, 1) is None  # type: ignore[arg-type]
 
 
-def test_metrics_leave_out_each_rounds_first_step() -> None:
-    """A strategy whose step k waits for step k-1's communication: each round's first step has nothing
-    to wait for (0.1 s), the others 0.3 s; the last step's tail went to synchronize(). The iteration
-    time and the throughput are the steady state's (0.3 s); the time to target counts every step."""
+def test_metrics_count_every_step_and_the_synchronize_tail() -> None:
+    """A strategy whose step k waits for step k-1's communication (0.2 s of it overlapped): each round's
+    first step has nothing to wait for (0.1 s), the others 0.3 s, and the last step's 0.2 s tail is
+    waited for in synchronize(): the round's mean is (0.1 + 0.3 + 0.3 + 0.2) / 3 = 0.3 s, the steady
+    state. A periodic strategy (an averaging of 0.4 s in the first step of each 3-step period, rounds of
+    3 steps) is charged its averaging in every round: (0.5 + 0.1 + 0.1) / 3, not (0.1 + 0.1) / 2 as when
+    a round's first step was left out. The time to target counts every step and every tail."""
     run = _run(0.3, [4, 3, 2, 1, 1, 1], tx=1e5, rounds=2)
     wall = 0.0
     for seg in run["segments"]:  # type: ignore[attr-defined]
         seg["step_times"][0] = 0.1
+        seg["sync_tail"] = 0.2
+        wall = seg["wall_end"] = wall + sum(seg["step_times"]) + 0.2
+    per = _run(0.1, [4, 3, 2, 1, 1, 1], tx=1e5, rounds=2)
+    wall = 0.0
+    for seg in per["segments"]:  # type: ignore[attr-defined]
+        seg["step_times"][0] = 0.5
         wall = seg["wall_end"] = wall + sum(seg["step_times"])
-    raw = {"world_size": 2, "runs": {"overlap": run}}
-    row = summarize(raw, warmup_rounds=0, rank_rates=None, bytes_sharing=1, baselines=[], smooth=1)
-    row = row["strategies"]["overlap"]
+    raw = {"world_size": 2, "runs": {"overlap": run, "periodic": per}}
+    rows = summarize(raw, warmup_rounds=0, rank_rates=None, bytes_sharing=1, baselines=[], smooth=1)
+    row = rows["strategies"]["overlap"]
     assert row["iter_time_median"] == pytest.approx(0.3) and row["iter_time_mean"] == pytest.approx(0.3)
     assert row["throughput"] == pytest.approx(10 / 0.3)  # 10 items per step
-    assert row["time_to_target"] == pytest.approx(0.1 + 0.3 + 0.3 + 0.1)  # loss 1 at step 4
+    # loss 1 at step 4: the second round's first step, after the first round and its tail
+    assert row["time_to_target"] == pytest.approx(0.1 + 0.3 + 0.3 + 0.2 + 0.1)
+    assert rows["strategies"]["periodic"]["iter_time_median"] == pytest.approx(0.7 / 3)
     assert row["bytes_sent_per_rank_step"] == pytest.approx(1e5)  # the counters span whole rounds
 
 

@@ -8,13 +8,17 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
   step duration, which on oversubscribed cores counts every rank's scheduling jitter as the job's; DDP
   reads the same under both.) A round's mean is one sample (periodic strategies
   communicate in some steps only, so a per-step median would hide their synchronizations);
-  reported as the median, min and max over rounds, and the overall mean. The steady state: a round's
-  first step is left out of these figures (not of the time to target) when the round has more than
-  one. It follows the round's barrier and ``synchronize()``, so nothing of an earlier step is in
-  flight, while the communication a strategy overlaps with the next step (a layer stepped in its next
-  forward, delayed embedding rows) of the round's last step completes in ``synchronize()``, outside
-  the step times: with every step counted, such a strategy would have one step's tail per round
-  uncounted. (Before 2026-11-24 every step was counted.)
+  reported as the median, min and max over rounds, and the overall mean. Every step of a round is
+  counted, and so is the round's tail: the communication a strategy overlaps with its next step (a
+  layer averaged or stepped in its next forward, delayed embedding rows) of the round's last step
+  completes in ``synchronize()`` after it; that wait (``sync_tail``, from the last rank's last step end
+  to the last rank's return from ``synchronize()``) is added to the round's time. A round's mean is
+  (sum of its step times + its tail) / its steps, unbiased for periodic strategies whatever step of
+  their period a round starts at. (2026-11-24 to 2026-11-26, from commit bc21209, a round's first step
+  was left out instead, and no tail was counted: a periodic strategy whose rounds start with an
+  averaging step, ``localsgd`` among them, had one averaging in every round uncounted, 3 in 19 steps
+  instead of 4 in 20 at H = 5. Before 2026-11-24 every step was counted and no tail. Results saved
+  before 2026-11-26 have no ``sync_tail``: they are read with every step counted, tail 0.)
 - throughput: items (samples or tokens, all ranks) per second of training, over the same steps.
 - bytes per rank per step: what crossed the rank's link according to the kernel's interface counters
   (IP packets, headers included); on unshaped loopback the counters of ``lo`` are shared by all ranks
@@ -36,6 +40,9 @@ Definitions (all per strategy, over the timed rounds, i.e. after ``warmup_rounds
   target accuracy; default target: the worst of the strategies' final accuracies.
 - predicted vs measured: strategies with a cost model report ``predicted_step_s``; the table shows it and
   measured / predicted.
+- speed-up vs B: B's iteration time / the strategy's, for each baseline B of the run found among its
+  strategies (``--baselines``, default ddp and localsgd); a run with none of them is compared with its
+  first strategy (:func:`speedups`).
 - report: the strategy's own :meth:`lowband.strategies.Strategy.report` (rank 0's), carried unchanged.
 - breakdown (seconds per step): for strategies that measure it on their training thread (those on the
   gradient stage report ``breakdown``: :mod:`lowband.strategies.breakdown`), computation, compression on
@@ -63,22 +70,20 @@ def _timed(run: dict[str, Any], warmup_rounds: int) -> list[dict[str, Any]]:
     return segs or run["segments"]
 
 
-def steady(seg: dict[str, Any]) -> list[float]:
-    """A round's step times in the steady state: without its first step when it has more than one
-    (module docstring)."""
-    times: list[float] = seg["step_times"]
-    return times[1:] if len(times) > 1 else times
+def round_seconds(seg: dict[str, Any]) -> float:
+    """A round's training time: its step times plus its ``synchronize()`` tail (module docstring)."""
+    return float(sum(seg["step_times"])) + float(seg.get("sync_tail", 0.0))
 
 
 def round_means(run: dict[str, Any], warmup_rounds: int) -> list[float]:
-    return [statistics.fmean(steady(s)) for s in _timed(run, warmup_rounds)]
+    return [round_seconds(s) / len(s["step_times"]) for s in _timed(run, warmup_rounds) if s["step_times"]]
 
 
 def loss_curve(run: dict[str, Any]) -> list[tuple[int, float, float]]:
     """(step, training time in s, mean training loss over ranks) for every step."""
     out: list[tuple[int, float, float]] = []
     for seg in run["segments"]:
-        wall = seg["wall_end"] - sum(seg["step_times"])
+        wall = seg["wall_end"] - round_seconds(seg)
         for k, (dt, loss) in enumerate(zip(seg["step_times"], seg["loss"])):
             wall += dt
             out.append((seg["first_step"] + k + 1, wall, loss))
@@ -145,9 +150,8 @@ def summarize(
         segs = _timed(run, warmup_rounds)
         means = round_means(run, warmup_rounds)
         steps = sum(len(s["step_times"]) for s in segs)  # for the bytes (their counters span the round)
-        steady_steps = sum(len(steady(s)) for s in segs)
-        seconds = sum(sum(steady(s)) for s in segs)
-        items = sum(s["items"] * len(steady(s)) / len(s["step_times"]) for s in segs)
+        seconds = sum(round_seconds(s) for s in segs)
+        items = sum(s["items"] for s in segs)
         per_rank_tx = [
             sum(s["tx_bytes"][r] for s in segs) / steps / bytes_sharing for r in range(raw["world_size"])
         ]
@@ -167,7 +171,7 @@ def summarize(
             "iter_time_median": it,
             "iter_time_min": min(means),
             "iter_time_max": max(means),
-            "iter_time_mean": seconds / steady_steps,
+            "iter_time_mean": seconds / steps,
             "throughput": items / seconds,
             "bytes_sent_per_rank_step": statistics.fmean(per_rank_tx),
             "bytes_received_per_rank_step": statistics.fmean(per_rank_rx),
@@ -195,22 +199,33 @@ def summarize(
             "report": run.get("report", {}),
             "breakdown": breakdown(run, warmup_rounds, it, compute),
         }
-    for k, row in rows.items():
-        row["speedup_vs"] = {}
-        row["time_to_target_ratio_vs"] = {}
-        for b in baselines:
-            bk = _find(rows, b)
-            if bk is None or bk == k:
-                continue
-            row["speedup_vs"][bk] = rows[bk]["iter_time_median"] / row["iter_time_median"]
-            t, tb = row["time_to_target"], rows[bk]["time_to_target"]
-            row["time_to_target_ratio_vs"][bk] = tb / t if t and tb else None
+    speedups(rows, baselines)
     return {
         "target_loss": target,
         "target_accuracy": target_accuracy,
         "compute_time": compute,
         "strategies": rows,
     }
+
+
+def speedups(rows: dict[str, dict[str, Any]], baselines: Sequence[str]) -> list[str]:
+    """Sets each row's ``speedup_vs`` (baseline's iteration time / the row's) and
+    ``time_to_target_ratio_vs`` (baseline's time to target / the row's) against every baseline found
+    among the rows (by key or strategy name); when none is, against the first row, so that a run
+    without ``ddp`` still compares its strategies. Returns the baselines' keys. Pure: derived from the
+    rows' ``iter_time_median`` and ``time_to_target`` (a saved summary's ratios can be rebuilt)."""
+    found = [bk for bk in (_find(rows, b) for b in baselines) if bk is not None]
+    bases = list(dict.fromkeys(found)) or list(rows)[:1]
+    for k, row in rows.items():
+        row["speedup_vs"] = {}
+        row["time_to_target_ratio_vs"] = {}
+        for bk in bases:
+            if bk == k:
+                continue
+            row["speedup_vs"][bk] = rows[bk]["iter_time_median"] / row["iter_time_median"]
+            t, tb = row["time_to_target"], rows[bk]["time_to_target"]
+            row["time_to_target_ratio_vs"][bk] = tb / t if t and tb else None
+    return bases
 
 
 BREAKDOWN = ("compute_s", "compression_s", "comm_s")

@@ -152,8 +152,8 @@ def legend(summary: dict[str, Any], unit: str, *, target_given: bool, shaped: bo
     items = [
         ("strategy", "as typed with -s; options not typed take their defaults (results.json has them all)"),
         ("iter ms", "the job's pace per training step: step k ends when the last rank ends it; median of "
-                    "the timed rounds' means [min-max], each round without its first step (the steady "
-                    "state: it follows a synchronize, with nothing of an earlier step in flight)"),
+                    "the timed rounds' means [min-max], a round's mean counting every step and the "
+                    "synchronize() after its last (the communication a strategy overlaps with its next step)"),
         ("speed-up vs B", "B's iteration time / this strategy's (> 1: faster than B)"),
         (f"{unit}/s", f"{unit} of all ranks trained per second"),
         ("sent, received /rank/step", "bytes through a rank's link per step (the kernel's counters, "
