@@ -18,7 +18,7 @@ import lowband
 from lowband.errors import InvalidArgumentError
 from lowband.localsgd.costmodel import CostProfile, LayerCost
 from lowband.localsgd.runtime import LayerAverager
-from lowband.localsgd.trials import ScheduleTrial, contenders, decide
+from lowband.localsgd.trials import MISMATCH, ScheduleTrial, contenders, decide
 from lowband.localsgd.units import UnitSpec, candidate_splits, plan_units, unit_profile
 from lowband.strategies import make_strategy
 from lowband.testing import run_threads
@@ -191,7 +191,7 @@ def test_strategy_measures_contenders_and_matches_algorithm1(n: int, monkeypatch
     switches units at period boundaries, keeps one chosen from the slowest rank's measurements on every
     rank alike, and its parameters equal Algorithm 1 with the units each step averaged."""
     monkeypatch.setattr("lowband.localsgd.rescheduling.MODEL_ERROR", 1e9)
-    H, steps = 3, 24
+    H, steps = 3, 30
 
     def rank_fn() -> dict[str, Any]:
         m = _model()
@@ -216,9 +216,15 @@ def test_strategy_measures_contenders_and_matches_algorithm1(n: int, monkeypatch
     cands = res[0]["candidates"]
     assert len(cands) >= 2, f"the model should give several candidate splits, got {cands}"
     tr = res[0]["trials"]
-    assert len(tr) == 1 and len(tr[0]["splits"]) == len(cands) and tr[0]["step"] == 2 * H * len(cands)
+    assert len(tr[0]["splits"]) == len(cands) and tr[0]["step"] == 2 * H * len(cands)
+    # a winner measured off its prediction by more than MISMATCH: the links re-measured and one more
+    # trial, once (here the tiny model's step is mostly Python overhead the model does not know)
+    if abs(tr[0]["measured_over_predicted"] - 1.0) > MISMATCH:
+        assert len(tr) == 2 and tr[1]["step"] == 2 * tr[0]["step"]
+    else:
+        assert len(tr) == 1
     for r in range(n):  # one decision, from the same (slowest-rank) numbers, on every rank
-        assert res[r]["trials"] == tr and res[r]["split"] == tr[0]["chosen"]
+        assert res[r]["trials"] == tr and res[r]["split"] == tr[-1]["chosen"]
         assert res[r]["log"] == res[0]["log"]
     log = res[0]["log"]
     used = {tuple(sorted({stop - start for _, start, stop in entry})) for entry in log if entry}

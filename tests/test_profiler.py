@@ -135,6 +135,15 @@ def test_fit_recovers_alpha_beta() -> None:
             fit_comm(bad)
 
 
+def test_measure_comm_stops_at_the_time_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sizes go up until one allreduce took COMM_TIME_CAP on the slowest rank (at least two sizes):
+    with a cap of 0 every rank stops after the two smallest, whatever order they were given in."""
+    monkeypatch.setattr("lowband.localsgd.profiler.COMM_TIME_CAP", 0.0)
+    res = run_threads(lambda: measure_comm(None, [262144, 4096, 16384, 65536], repeats=1), 3, timeout=120)
+    assert all([s for s, _ in r[2]] == [4096, 16384] for r in res)
+    assert all(r == res[0] for r in res), "the same samples and fit on every rank"
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_measure_and_refit_comm(n: int) -> None:
     base = CostProfile.from_lists(
@@ -146,7 +155,7 @@ def test_measure_and_refit_comm(n: int) -> None:
 
     res = run_threads(rank_fn, n, timeout=120)
     (alpha, beta, samples), refit = res[0]
-    assert [s for s, _ in samples] == [4096, 65536, 65536]  # whole float32 elements
+    assert [s for s, _ in samples] == [4096, 65536]  # whole float32 elements, each size once
     assert alpha >= 0 and beta >= 0
     for m, p in res:
         assert m == res[0][0] and p == refit, "the same fit on every rank"

@@ -54,6 +54,7 @@ def measure_interference(
     group: Group | None = None,
     repeats: int = 3,
     nbytes: int | None = None,
+    quiet: tuple[float, float] | None = None,
 ) -> tuple[float, float]:
     """Measure the cost model's interference ``(kappa, sigma)`` on ``model`` and the group's links (every
     rank of ``group`` calls it at once).
@@ -66,7 +67,11 @@ def measure_interference(
     passes: those that ended before the allreduce did; the first pass if none did), ``sigma = median(busy
     allreduce) / median(quiet allreduce) - 1``, both clamped to ``>= 0``, then the MEDIAN across ranks (one
     small allgather), so every rank returns the same pair. A world of one returns ``(0.0, 0.0)``. The
-    model is left unchanged (gradients, buffers, CPU RNG state restored); no optimizer is stepped."""
+    model is left unchanged (gradients, buffers, CPU RNG state restored); no optimizer is stepped.
+
+    ``quiet=(pass_s, allreduce_s)``: the quiet figures are known already (:func:`profile_model` has the
+    ranks' typical pass and the link's fit at ``nbytes``, which must then be given): (a) and (b) are
+    skipped, and the busy measurements (c) are compared with them; the same on every rank."""
     ctx, g = world_group(group, "measure_interference")
     where = f"measure_interference on rank {ctx.rank}"
     repeats = _check_int(where, "repeats", repeats, 1)
@@ -78,9 +83,17 @@ def measure_interference(
     if not params:
         raise InvalidArgumentError(f"{where}: the model has no trainable parameters")
     if nbytes is None:
+        if quiet is not None:
+            raise InvalidArgumentError(f"{where}: quiet= needs the nbytes its allreduce time is for")
         nb = min(max(4, sum(p.numel() * p.element_size() for p in params)), INTERFERENCE_CAP)
     else:
         nb = _check_int(where, "nbytes", nbytes, 4)
+    if quiet is not None and not (
+        len(quiet) == 2 and all(isinstance(q, float) and math.isfinite(q) and q >= 0.0 for q in quiet)
+    ):
+        raise InvalidArgumentError(
+            f"{where}: quiet must be (pass seconds, allreduce seconds) >= 0, got {quiet!r}"
+        )
     if g.size == 1:
         return 0.0, 0.0
     fast = g.unchecked()
@@ -99,11 +112,12 @@ def measure_interference(
             # every rank computes at once, as in training: on shared cores a pass run while the other
             # ranks idle would be faster than any training step and inflate kappa
             allreduce(tick, inplace=True, group=fast)
-            quiet_pass.append(_one_pass(model, loss_fn, params, where))
-            quiet_pass.append(_one_pass(model, loss_fn, params, where))
-            t0 = _sync(dev)
-            allreduce(buf, inplace=True, group=fast)  # also lines the ranks up for (c)
-            quiet_comm.append(_sync(dev) - t0)
+            if quiet is None:
+                quiet_pass.append(_one_pass(model, loss_fn, params, where))
+                quiet_pass.append(_one_pass(model, loss_fn, params, where))
+                t0 = _sync(dev)
+                allreduce(buf, inplace=True, group=fast)  # also lines the ranks up for (c)
+                quiet_comm.append(_sync(dev) - t0)
             t0 = time.perf_counter()
             done_at = iallreduce(buf, inplace=True, group=fast).then(lambda _t: time.perf_counter())
             passes: list[tuple[float, float]] = []  # (seconds, end time)
@@ -116,6 +130,8 @@ def measure_interference(
             busy_comm.append(t_end - t0)
             full = [d for d, end in passes if end <= t_end] or [passes[0][0]]
             busy_pass.append(statistics.median(full))
+    if quiet is not None:
+        quiet_pass, quiet_comm = [quiet[0]], [quiet[1]]
     kappa = _ratio_excess(statistics.median(busy_pass), statistics.median(quiet_pass))
     sigma = _ratio_excess(statistics.median(busy_comm), statistics.median(quiet_comm))
     table = allgather(torch.tensor([[kappa, sigma]], dtype=torch.float64, device="cpu"), group=g)

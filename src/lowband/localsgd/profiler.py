@@ -59,6 +59,10 @@ LossFn = Callable[[nn.Module], torch.Tensor]
 #: default message sizes for the communication fit: 4 KiB, 16 KiB, ..., 16 MiB (bounded per model)
 COMM_SIZES: tuple[int, ...] = tuple(4096 * 4**k for k in range(7))
 MIN_COMM_CAP = 16 * 1024
+#: :func:`measure_comm` measures no larger size once one allreduce took this long (seconds) on the
+#: slowest rank: the fit's slope is then known, and a slow link would spend most of the profile on it
+#: (16 MiB sizes at 10 Mbit/s: 25 s)
+COMM_TIME_CAP = 0.15
 
 
 def _check_int(where: str, what: str, v: object, minimum: int) -> int:
@@ -128,7 +132,9 @@ def measure_comm(
 ) -> tuple[float, float, list[tuple[int, float]]]:
     """Time blocking allreduces of float32 buffers of ``sizes`` bytes on ``group`` (every rank calls it)
     and fit ``alpha + beta * bytes``. Returns ``(alpha, beta, samples)``, identical on every rank: the
-    median of ``repeats`` timings per size, then the MAX across ranks (one allreduce). The buffers live
+    median of ``repeats`` timings per size, then the MAX across ranks (one tiny allreduce per size). Sizes
+    go in increasing order and stop after the first whose allreduce took :data:`COMM_TIME_CAP` seconds
+    or more (at least two sizes are measured; the ranks decide on the same agreed figure). The buffers live
     on ``device`` (default: the rank's, :func:`lowband.device`), so on a GPU the path training uses (NCCL)
     is the one timed; a CUDA timing ends when the device has finished (``torch.cuda.synchronize``)."""
     ctx, g = world_group(group, "measure_comm")
@@ -142,10 +148,10 @@ def measure_comm(
     if len(set(nbs)) < 2:
         raise InvalidArgumentError(f"{where}: sizes must hold at least 2 distinct sizes (bytes), got {raw}")
     if g.size == 1:
-        return 0.0, 0.0, [(nb, 0.0) for nb in nbs]
+        return 0.0, 0.0, [(nb, 0.0) for nb in sorted(set(nbs))]
     fast = g.unchecked()
-    medians: list[float] = []
-    for nb in nbs:
+    samples: list[tuple[int, float]] = []
+    for nb in sorted(set(nbs)):
         buf = torch.zeros(nb // 4, dtype=torch.float32, device=dev)
         allreduce(buf, inplace=True, group=g)  # warm-up; with the check on, the ranks' sizes are validated
         ts = []
@@ -153,10 +159,13 @@ def measure_comm(
             t0 = _sync(dev)
             allreduce(buf, inplace=True, group=fast)
             ts.append(_sync(dev) - t0)
-        medians.append(statistics.median(ts))
-    # host-side timings (a CPU tensor: on a cpu:gloo,cuda:nccl group it goes through gloo)
-    red = allreduce(torch.tensor(medians, dtype=torch.float64, device="cpu"), "max", group=g)
-    samples = [(nb, float(t)) for nb, t in zip(nbs, red.tolist())]
+        # host-side timings (a CPU tensor: on a cpu:gloo,cuda:nccl group it goes through gloo)
+        red = allreduce(
+            torch.tensor([statistics.median(ts)], dtype=torch.float64, device="cpu"), "max", group=g
+        )
+        samples.append((nb, float(red.item())))
+        if len(samples) >= 2 and samples[-1][1] >= COMM_TIME_CAP:
+            break
     alpha, beta = fit_comm(samples)
     return alpha, beta, samples
 
@@ -361,14 +370,20 @@ def profile_model(
         fwd = [x * typical / hooked for x in fwd]
         bwd = [x * typical / hooked for x in bwd]
     sizes = comm_sizes_for(max(nbytes)) if comm_sizes is None else comm_sizes
-    alpha, beta, _ = measure_comm(g, sizes, comm_repeats, device=params[0].device)
+    alpha, beta, samples = measure_comm(g, sizes, comm_repeats, device=params[0].device)
     costs = tuple(
         LayerCost(layers[i][0], fwd[i], bwd[i], alpha + beta * nbytes[i], nbytes[i]) for i in reversed(order)
     )
     if interference:
         from lowband.localsgd.interference import measure_interference  # it builds on this module
 
-        kappa, sigma = measure_interference(model, loss_fn, group=g, repeats=comm_repeats)
+        # the quiet figures are those measured above: the ranks' typical pass, the fit at the largest
+        # size measured (capped by the model's bytes); only the busy ones are measured again
+        nb = max(4, min(sum(nbytes), max(b for b, _ in samples)))
+        quiet = (typical, alpha + beta * nb) if typical > 0.0 else None
+        kappa, sigma = measure_interference(
+            model, loss_fn, group=g, repeats=comm_repeats, nbytes=nb, quiet=quiet
+        )
     else:
         kappa, sigma = 0.0, 0.0
     return CostProfile(costs, alpha, beta, kappa, sigma)

@@ -8,6 +8,10 @@ and the cross-rank check of every (re)schedule.
   on every rank instead of averaging different units.
 - Lazy profiling: without a profile or a schedule, the first :meth:`train_step` profiles the model on its
   batch (per-layer updates on, averaging nothing), then puts the parameters and the optimizer state back.
+- Online choice (:mod:`lowband.localsgd.trials`): when a profile this run measured predicts several
+  candidates within the cost model's error of each other, each runs whole periods of training,
+  interleaved, and the fastest measured is kept on every rank; a winner measured more than 15 % off
+  its prediction has the links re-measured and the choice made again, once per profile.
 - Drift: at each period boundary the ranks agree on the achieved seconds per byte (one 2-float
   allreduce); when it moved by more than ``reprofile_drift`` from the first period after the last
   (re)schedule, the links are re-measured and the schedule rebuilt, identically on every rank.
@@ -28,7 +32,7 @@ from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.profiler import profile_model, refit_comm
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
-from lowband.localsgd.trials import MODEL_ERROR, ScheduleTrial, contenders, decide
+from lowband.localsgd.trials import MISMATCH, MODEL_ERROR, ScheduleTrial, contenders, decide
 from lowband.localsgd.units import UnitSpec, candidate_splits, layer_geometry, plan_units, unit_profile
 from lowband.optim.layerwise import LayerwiseOptimizer
 from lowband.strategies.base import LossFn, Strategy
@@ -61,6 +65,8 @@ class ScheduledStrategy(Strategy):
     _candidates: list[tuple[int, Schedule]]
     _trial: ScheduleTrial | None
     _last_step_end: float | None
+    #: the links were re-measured after a trial whose winner's measured period left the prediction's band
+    _refitted: bool = False
 
     def _planner(self, profile: CostProfile) -> Callable[[int], list[UnitSpec]]:
         """Checks that ``profile`` holds the model's layers; returns ``max_bytes -> units``."""
@@ -142,6 +148,7 @@ class ScheduledStrategy(Strategy):
         local = torch.tensor(trial.measured(), dtype=torch.float64, device="cpu")  # host timings
         measured = allreduce(local, "max", group=self.averager.group).tolist()
         win = decide(measured)
+        ratio = measured[win] / max(self._candidates[win][1].predicted_period, 1e-12)
         self.trial_log.append(
             {
                 "step": self.steps,
@@ -149,11 +156,20 @@ class ScheduledStrategy(Strategy):
                 "predicted_s": [s.predicted_period for _, s in self._candidates],
                 "measured_s": measured,
                 "chosen": self._candidates[win][0],
+                "measured_over_predicted": ratio,
             }
         )
         self._trial = None
-        self._use_candidate(self.profile, win)
-        self._agree("the schedule chosen by measurement", [self._schedulecrc()])
+        if abs(ratio - 1.0) > MISMATCH and not self._refitted:
+            # the links may not be what the profile measured (another job, a link that changed): measure
+            # them again and choose again, once per profile (the same decision on every rank: the
+            # measured figures are agreed)
+            self._refitted = True
+            self._reschedule(refit_comm(self.profile, self.group), measure=True)
+            self.reschedules += 1
+        else:
+            self._use_candidate(self.profile, win)
+            self._agree("the schedule chosen by measurement", [self._schedulecrc()])
         self._last_step_end = time.perf_counter()
 
     def _profile_now(self, loss_fn: LossFn) -> None:
@@ -178,6 +194,7 @@ class ScheduledStrategy(Strategy):
                 for p, old in zip(params, saved):
                     p.copy_(old)
             self.optimizer.load_state_dict(opt_state)
+        self._refitted = False
         self._reschedule(prof, measure=True)
         self.profile_seconds = time.perf_counter() - t0
 

@@ -30,8 +30,11 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   beyond consecutive runs (:mod:`lowband.localsgd.search`; measured no faster here, see the README).
 - ``split``: the unit of synchronisation (:mod:`lowband.localsgd.units`). ``0`` schedules whole layers
   (the paper); ``N`` cuts layers larger than ``N`` bytes into chunks scheduled on their own; ``"auto"``
-  (DreamDDP's default) schedules whole layers and chunks of total/(kH) bytes (k = 1, 2, 4) and keeps the
-  one with the shortest predicted period. PLSGD-ENP and FLSGD-overlap default to whole layers.
+  (DreamDDP's default) schedules whole layers and chunks of total/(kH) bytes (k = 1, 2, 4); from a
+  profile this run measured, those predicted within the cost model's error (25 %) of the best are run
+  for ``trial_periods`` periods each, interleaved, and the fastest measured is kept
+  (:mod:`lowband.localsgd.trials`; ``trial_periods=0`` keeps the predicted best); from a given profile
+  the predicted best. PLSGD-ENP and FLSGD-overlap default to whole layers.
 - ``divergence_every > 0``: log Gamma (the model divergence) every that many steps (``divergence_log``).
 - Repeatable runs: the split (``split="auto"``) and the schedule follow from the profile alone, and the
   profile is measured (timing): two runs that profile separately may choose differently. With
@@ -68,14 +71,43 @@ from lowband.localsgd.units import (
     unit_profile,
 )
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
+from lowband.options import Opt, Options, Rule
 from lowband.strategies.base import LossFn, OptimizerFactory
 from lowband.strategies.registry import register_strategy
 
 DEFAULT_PERIOD = 5
 
+#: the options of ``dreamddp``, ``plsgd-enp`` and ``flsgd-overlap`` (module docstring)
+PARTIAL_SYNC_OPTIONS = Options(
+    {
+        "period": Opt(int, min=1, unit="steps", doc="H: local iterations per period (None: the schedule's, else 5)"),
+        "profile": Opt(
+            str, objects=(Path, CostProfile), what="a profile JSON path",
+            doc="a saved profile (a missing file: measured at the first step and saved there)",
+        ),
+        "schedule": Opt(None, objects=(Schedule,), doc="a fixed schedule (Python only)"),
+        "reprofile_drift": Opt(float, min=0, doc="re-measure and re-schedule when the links drift by this fraction"),
+        "divergence_every": Opt(int, min=0, unit="steps", doc="log the model divergence every that many steps"),
+        "split": Opt(
+            int, min=0, words=("auto",), unit="bytes",
+            doc="chunk size of the synchronisation units (0: whole layers; auto: chosen; None: the variant's)",
+        ),
+        "scheduler": Opt(str, choices=scheduler_names, doc="the make_schedule method (None: the variant's)"),
+        "trial_periods": Opt(int, min=0, doc="periods each near-best split is tried for (0: the predicted best)"),
+    },
+    rules=[
+        Rule(
+            ("period", "schedule"), "period must be the schedule's period",
+            lambda o: o["schedule"] is None or o["period"] is None or o["schedule"].period == o["period"],
+        ),
+    ],
+)  # fmt: skip
+
 
 @register_strategy(
-    "dreamddp", "DreamDDP: partial-sync local SGD, layers averaged in place during backward, bubble filling"
+    "dreamddp",
+    "DreamDDP: partial-sync local SGD, layers averaged in place during backward, bubble filling",
+    PARTIAL_SYNC_OPTIONS,
 )
 class PartialSyncStrategy(ScheduledStrategy):
     name = "dreamddp"
@@ -102,46 +134,12 @@ class PartialSyncStrategy(ScheduledStrategy):
     ) -> None:
         where = f"{type(self).__name__} on rank {group.world_rank}"
         self._where = where
-        if schedule is not None and not isinstance(schedule, Schedule):
-            raise InvalidArgumentError(f"{where}: schedule must be a Schedule, got {type(schedule).__name__}")
+        # the options were checked by PARTIAL_SYNC_OPTIONS (make_strategy); None: this variant's default
         if period is None:
             period = schedule.period if schedule is not None else DEFAULT_PERIOD
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise InvalidArgumentError(f"{where}: period must be an int >= 1, got {period!r}")
-        if schedule is not None and schedule.period != period:
-            raise InvalidArgumentError(
-                f"{where}: period={period} but the schedule's period is {schedule.period}"
-            )
-        ok = isinstance(reprofile_drift, (int, float)) and not isinstance(reprofile_drift, bool)
-        if not ok or not 0.0 <= float(reprofile_drift) < float("inf"):
-            raise InvalidArgumentError(
-                f"{where}: reprofile_drift must be a number >= 0, got {reprofile_drift!r}"
-            )
-        if (
-            isinstance(divergence_every, bool)
-            or not isinstance(divergence_every, int)
-            or divergence_every < 0
-        ):
-            raise InvalidArgumentError(
-                f"{where}: divergence_every must be an int >= 0, got {divergence_every!r}"
-            )
-        if scheduler is None:
-            scheduler = type(self).method
-        if scheduler not in scheduler_names():
-            raise InvalidArgumentError(
-                f"{where}: scheduler must be one of {scheduler_names()}, got {scheduler!r}"
-            )
-        self.method = scheduler
+        self.method = type(self).method if scheduler is None else scheduler
         if split is None:
             split = self.default_split
-        if split != "auto" and (isinstance(split, bool) or not isinstance(split, int) or split < 0):
-            raise InvalidArgumentError(
-                f"{where}: split must be 'auto' or a chunk size in bytes >= 0 (0: whole layers), got {split!r}"
-            )
-        if isinstance(trial_periods, bool) or not isinstance(trial_periods, int) or trial_periods < 0:
-            raise InvalidArgumentError(
-                f"{where}: trial_periods must be an int >= 0 (0: keep the predicted best), got {trial_periods!r}"
-            )
         self.trial_periods = trial_periods
         self.candidates_predicted = []
         self.trial_log = []
@@ -158,10 +156,6 @@ class PartialSyncStrategy(ScheduledStrategy):
             self.profile_path, profile = Path(profile), None
         elif isinstance(profile, (str, Path)):
             profile = load_profile(profile)
-        elif profile is not None and not isinstance(profile, CostProfile):
-            raise InvalidArgumentError(
-                f"{where}: profile must be a JSON path or a CostProfile, got {type(profile).__name__}"
-            )
         if reprofile_drift > 0 and schedule is not None and profile is None:
             raise InvalidArgumentError(
                 f"{where}: reprofile_drift={reprofile_drift} re-schedules from a profile; give profile= "
@@ -312,6 +306,7 @@ class PartialSyncStrategy(ScheduledStrategy):
             "candidates": [[c, s.to_json()] for c, s in self._candidates],
             "trial": None if self._trial is None else self._trial.to_json(),
             "trial_log": list(self.trial_log),
+            "refitted": self._refitted,
         }
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
@@ -346,6 +341,7 @@ class PartialSyncStrategy(ScheduledStrategy):
         trial = state.get("trial")
         self._trial = None if trial is None or not self._candidates else ScheduleTrial.from_json(trial)
         self.trial_log = list(state.get("trial_log", []))
+        self._refitted = bool(state.get("refitted", False))
         self._last_step_end = None
         self._agree("the restored schedule", [self._schedulecrc(), self.period])
 
@@ -356,7 +352,9 @@ class PartialSyncStrategy(ScheduledStrategy):
 
 
 @register_strategy(
-    "plsgd-enp", "PLSGD-ENP: partial-sync local SGD, equal-number partition of the layers over H iterations"
+    "plsgd-enp",
+    "PLSGD-ENP: partial-sync local SGD, equal-number partition of the layers over H iterations",
+    PARTIAL_SYNC_OPTIONS,
 )
 class PLSGDENPStrategy(PartialSyncStrategy):
     name = "plsgd-enp"
@@ -365,7 +363,9 @@ class PLSGDENPStrategy(PartialSyncStrategy):
 
 
 @register_strategy(
-    "flsgd-overlap", "FLSGD with every layer averaged in iteration H, overlapped with its backward"
+    "flsgd-overlap",
+    "FLSGD with every layer averaged in iteration H, overlapped with its backward",
+    PARTIAL_SYNC_OPTIONS,
 )
 class FLSGDOverlapStrategy(PartialSyncStrategy):
     name = "flsgd-overlap"

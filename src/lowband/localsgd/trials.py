@@ -35,6 +35,9 @@ from lowband.errors import InvalidArgumentError
 MODEL_ERROR = 0.25
 #: measured periods within this fraction of the fastest count as a tie (the predicted best then wins)
 TIE = 0.03
+#: after a trial, a winner measured more than this fraction off its prediction has the links measured
+#: again (``refit_comm``) and the candidates chosen again, once per profile
+MISMATCH = 0.15
 #: periods each contender runs during a trial (interleaved)
 DEFAULT_TRIAL_PERIODS = 2
 
