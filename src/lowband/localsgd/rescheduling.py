@@ -32,7 +32,7 @@ from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.profiler import profile_model, refit_comm
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
-from lowband.localsgd.trials import MISMATCH, MODEL_ERROR, ScheduleTrial, contenders, decide
+from lowband.localsgd.trials import MISMATCH, MODEL_ERROR, ScheduleTrial, contender_pair, decide
 from lowband.localsgd.units import UnitSpec, candidate_splits, layer_geometry, plan_units, unit_profile
 from lowband.optim.layerwise import LayerwiseOptimizer
 from lowband.strategies.base import LossFn, Strategy
@@ -103,7 +103,7 @@ class ScheduledStrategy(Strategy):
         profile given to the constructor schedules from the prediction alone (repeatable)."""
         plan = self._planner(profile)
         cands = candidate_splits(profile, plan, self.period, self.split, self.method)
-        order = contenders([s.predicted_period for _, s in cands], MODEL_ERROR)
+        order = contender_pair([c for c, _ in cands], [s.predicted_period for _, s in cands], MODEL_ERROR)
         self._candidates = [cands[i] for i in order]
         self.candidates_predicted = [(c, s.predicted_period) for c, s in cands]
         self._trial = None
@@ -165,11 +165,15 @@ class ScheduledStrategy(Strategy):
             # them again and choose again, once per profile (the same decision on every rank: the
             # measured figures are agreed)
             self._refitted = True
+            tried = [c for c, _ in self._candidates]
             self._reschedule(refit_comm(self.profile, self.group), measure=True)
             self.reschedules += 1
-        else:
-            self._use_candidate(self.profile, win)
-            self._agree("the schedule chosen by measurement", [self._schedulecrc()])
+            if self._trial is None or [c for c, _ in self._candidates] != tried:
+                self._last_step_end = time.perf_counter()
+                return  # a new choice (a trial among other contenders, or one candidate)
+            self._trial = None  # the same contenders, measured already: the winner stays
+        self._use_candidate(self.profile, win)
+        self._agree("the schedule chosen by measurement", [self._schedulecrc()])
         self._last_step_end = time.perf_counter()
 
     def _profile_now(self, loss_fn: LossFn) -> None:

@@ -8,12 +8,15 @@ Candidates whose predictions differ by less than that error (whole layers vs chu
 sizes of ``split="auto"``) were chosen by the noise of the profile: two demo runs in five chose whole
 layers and ran 33 % slower than the three that chose chunks, although both were predicted within 10 %.
 
-So the candidates predicted within :data:`MODEL_ERROR` of the best are *contenders*, and they are
-measured where they will run: each contender runs whole periods of real training, interleaved
+So when a candidate of the other kind (whole layers against chunks) is predicted within
+:data:`MODEL_ERROR` of the best, the two are *contenders* (:func:`contender_pair`; chunk sizes among
+themselves differ by a few percent in prediction and measurement alike, and two contenders fit a
+20-step warm-up at H = 5), and they are measured where they will run: each contender runs whole periods of real training, interleaved
 (A B A B ...: slow drift of the machine hits every contender alike), switched at period boundaries
 (a layer is then averaged at most ``2H - 1`` iterations apart, once). A contender's measured period is
-the sum over the period's iterations of the FASTEST sample of that iteration (a pause of the training
-loop, an evaluation or another job's burst, lands in one sample and is dropped); the ranks agree on the
+the sum over the period's iterations of the FASTEST sample of that iteration, samples over
+:data:`OUTLIER` times the trial's median step dropped (a pause of the training loop, an evaluation or
+another job's round, lands in one sample); the ranks agree on the
 slowest rank's figures (one small allreduce, done by the caller); the fastest measured contender wins,
 the predicted best on a tie within :data:`TIE`. Every rank decides from the same numbers, so every rank
 switches to the same schedule. No step is wasted: every trial period trains.
@@ -38,6 +41,8 @@ TIE = 0.03
 #: after a trial, a winner measured more than this fraction off its prediction has the links measured
 #: again (``refit_comm``) and the candidates chosen again, once per profile
 MISMATCH = 0.15
+#: a step sample over this many times the trial's median step is a pause, not the schedule's time
+OUTLIER = 3.0
 #: periods each contender runs during a trial (interleaved)
 DEFAULT_TRIAL_PERIODS = 2
 
@@ -52,6 +57,21 @@ def contenders(predicted: Sequence[float], margin: float = MODEL_ERROR) -> list[
     best = min(range(len(predicted)), key=lambda i: (predicted[i], i))
     bound = predicted[best] * (1.0 + margin)
     return [best] + [i for i, p in enumerate(predicted) if i != best and p <= bound]
+
+
+def contender_pair(
+    limits: Sequence[int], predicted: Sequence[float], margin: float = MODEL_ERROR
+) -> list[int]:
+    """The contenders among candidate chunk limits (0: whole layers): the predicted best, and the best
+    predicted candidate of the other kind (whole layers vs chunks) when it is within ``margin`` of it."""
+    if len(limits) != len(predicted):
+        raise InvalidArgumentError(f"contender_pair: {len(limits)} limits but {len(predicted)} predictions")
+    order = contenders(predicted, margin)
+    best = order[0]
+    other = sorted(
+        (i for i in order[1:] if (limits[i] == 0) != (limits[best] == 0)), key=lambda i: (predicted[i], i)
+    )
+    return [best, other[0]] if other else [best]
 
 
 def decide(measured: Sequence[float], tie: float = TIE) -> int:
@@ -111,9 +131,22 @@ class ScheduleTrial:
         return self.current()
 
     def measured(self) -> list[float]:
-        """Each contender's period: the sum over iterations of its fastest sample (inf when an iteration
-        has no sample)."""
-        return [sum(min(s) if s else float("inf") for s in per) for per in self.samples]
+        """Each contender's period: the sum over iterations of its fastest sample, samples over
+        :data:`OUTLIER` times the median of all samples dropped; an iteration left with no sample counts
+        the median over contenders of that iteration's fastest (inf when no contender has one)."""
+        every = sorted(x for per in self.samples for s in per for x in s)
+        cap = OUTLIER * every[len(every) // 2] if every else float("inf")
+        best = [[min((x for x in s if x <= cap), default=None) for s in per] for per in self.samples]
+        out = []
+        for per in best:
+            total = 0.0
+            for h, v in enumerate(per):
+                if v is None:
+                    others = sorted(x for b in best if (x := b[h]) is not None)
+                    v = others[len(others) // 2] if others else float("inf")
+                total += v
+            out.append(total)
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {"n": self.n, "period": self.period, "periods_each": self.periods_each, "done": self.done,
