@@ -155,15 +155,21 @@ class PartitionedEmbedding(nn.Module):
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start the lookup of ``ids`` now (every rank's ids gathered, :attr:`on_plan` told, the
         all-to-all of the rows issued), ahead of the call that reads them: the next call must be on
-        equal ids and takes the rows from here. Every rank must prefetch alike (a collective). The
-        rows are those of the table as it is now: change it only after that call (or
-        :meth:`drop_prefetched`)."""
+        equal ids and takes the rows from here. Prefetches queue: a table called several times per
+        forward is prefetched once per call, in call order, and its calls read them in that order.
+        Every rank must prefetch alike (a collective). The rows are those of the table as it is now:
+        change it only after that call (or :meth:`drop_prefetched`)."""
         self._check_ids(ids)
         plan = plan_lookup(ids, name=self.table_name, group=self.group)
         if self.on_plan is not None:
             self.on_plan(self, plan)
         issued = ilookup(self.weight.detach(), plan, self.widths, name=self.table_name, group=self.group)
         self._prefetched.append((ids.detach().clone(), plan, issued))
+
+    @property
+    def prefetched(self) -> int:
+        """How many prefetched lookups no call has read yet."""
+        return len(self._prefetched)
 
     def drop_prefetched(self) -> None:
         """Complete and discard the prefetched lookups no call has read (every rank alike)."""

@@ -17,7 +17,8 @@ of the iteration it belongs to, so the parts equal one update (lazy optimizer se
 With an ``executor`` (one communication thread, :class:`lowband.compress.slimgc.executor.Executor`),
 the delayed rows go in the background (:meth:`VerticalSchedule.submit_delayed`, e.g. while the next
 backward computes). Its queue is a priority queue whose order every rank agrees on: the tasks of one
-submission are sorted by (iteration, table, part) before they enter the thread's FIFO, and the
+submission (one per iteration, its parts in the order they were made) are sorted by iteration before
+they enter the thread's FIFO, and the
 training thread drains the thread before any exchange of its own, so the channel's collectives are
 issued in the same order on every rank whatever each rank's timing.
 """
@@ -101,16 +102,22 @@ class VerticalSchedule:
 
     def submit_delayed(self, iteration: int) -> None:
         """:meth:`deliver_before` on the communication thread (at once without an executor): one task
-        per part, in the agreed priority order (iteration, then the order the parts were made)."""
+        per earlier iteration, in the agreed priority order (iteration, then the order the parts were
+        made). An iteration's parts travel in one task because they are applied in one step: a table
+        read several times per forward has one part per call, and a row two calls read must have its
+        summed gradient applied once (an Adam step per part would differ)."""
         if self.executor is None:
             self.deliver_before(iteration)
             return
         self.drain()
         order = sorted(range(len(self.pending)), key=lambda k: (self.pending[k].iteration, k))
-        due = [self.pending[k] for k in order if self.pending[k].iteration < iteration]
+        due: dict[int, list[_Part]] = {}
+        for k in order:
+            if self.pending[k].iteration < iteration:
+                due.setdefault(self.pending[k].iteration, []).append(self.pending[k])
         self.pending = [p for p in self.pending if p.iteration >= iteration]
-        for part in due:
-            self.executor.submit(functools.partial(self._deliver, [part], None, "delayed", keep=False))
+        for parts in due.values():
+            self.executor.submit(functools.partial(self._deliver, parts, None, "delayed", keep=False))
 
     def deliver_all(self) -> None:
         """Delivers everything pending (before evaluation and checkpoints)."""
