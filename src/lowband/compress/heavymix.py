@@ -24,8 +24,8 @@ sums of squares, as its authors' CountSketch code computes it) and the uniform f
 At most ``k`` coordinates can each hold ``||g||^2 / k``, and a dense gradient has few that do: on the
 ``fmnist-cnn`` gradient summed over 4 ranks (``benchmarks/gssgd_recovery.py``,
 ``benchmarks/results/gssgd-recovery/``) 147 of its 532,458 coordinates are heavy at ``k = 5,325``
-(density 0.01) and 2 at ``k = 534`` (0.001), exactly as well as in the sketch, so HEAVYMIX fills the
-rest of ``k`` at random: it finds 4.1% (0.6%) of the true top-k, against 41.9% (8.7%) for the ``k``
+(density 0.01) and 2 at ``k = 534`` (0.001) (the sketch's estimates find 172 and 3), so HEAVYMIX
+fills the rest of ``k`` at random: it finds 4.1% (0.6%) of the true top-k, against 41.9% (8.7%) for the ``k``
 largest estimates. Its authors' own code recovers by the largest estimates too (``unSketch(k)`` in
 ``dhroth/sketchedsgd``), which is lowband's ``recovery="topk"``, the strategies' default;
 ``recovery="heavymix"`` is the paper's algorithm.
