@@ -106,7 +106,8 @@ def measure_interference(
     busy_comm: list[float] = []
     with _preserved(model, params):
         allreduce(buf, inplace=True, group=g)  # warm-up; with the check on, the ranks' sizes are validated
-        _one_pass(model, loss_fn, params, where)  # warm-up
+        if quiet is None:  # with the quiet figures given, the caller's passes warmed the model up
+            _one_pass(model, loss_fn, params, where)
         tick = torch.zeros(1, device=dev)
         for _ in range(repeats):
             # every rank computes at once, as in training: on shared cores a pass run while the other

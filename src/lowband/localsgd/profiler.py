@@ -63,6 +63,8 @@ MIN_COMM_CAP = 16 * 1024
 #: slowest rank: the fit's slope is then known, and a slow link would spend most of the profile on it
 #: (16 MiB sizes at 10 Mbit/s: 25 s)
 COMM_TIME_CAP = 0.15
+#: busy measurements of the interference in a profile (each: one allreduce with passes run beside it)
+INTERFERENCE_REPEATS = 2
 
 
 def _check_int(where: str, what: str, v: object, minimum: int) -> int:
@@ -300,8 +302,8 @@ def profile_model(
     loss_fn: LossFn,
     *,
     group: Group | None = None,
-    warmup: int = 2,
-    repeats: int = 5,
+    warmup: int = 1,
+    repeats: int = 4,
     comm_sizes: Sequence[int] | None = None,
     comm_repeats: int = 3,
     interference: bool = True,
@@ -311,7 +313,7 @@ def profile_model(
     ranks), parameter bytes, and per-layer communication from the fitted allreduce cost on the group's
     links (``comm_sizes`` bytes, default :func:`comm_sizes_for` the largest layer). Layers in forward
     order, the reverse of the observed backward order. With ``interference`` (default) the profile's
-    ``kappa``/``sigma`` come from :func:`measure_interference` (``comm_repeats`` repeats), else they are 0
+    ``kappa``/``sigma`` come from :func:`measure_interference` (:data:`INTERFERENCE_REPEATS` busy measurements against the quiet pass and link fit measured here), else they are 0
     (the paper's model). The model is left unchanged (see module doc)."""
     ctx, g = world_group(group, "profile_model")
     where = f"profile_model on rank {ctx.rank}"
@@ -382,7 +384,7 @@ def profile_model(
         nb = max(4, min(sum(nbytes), max(b for b, _ in samples)))
         quiet = (typical, alpha + beta * nb) if typical > 0.0 else None
         kappa, sigma = measure_interference(
-            model, loss_fn, group=g, repeats=comm_repeats, nbytes=nb, quiet=quiet
+            model, loss_fn, group=g, repeats=INTERFERENCE_REPEATS, nbytes=nb, quiet=quiet
         )
     else:
         kappa, sigma = 0.0, 0.0
