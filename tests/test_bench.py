@@ -375,7 +375,14 @@ def test_list_shows_the_compressed_options_and_registries() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
-    assert "compressed options: compressor=identity, reducer=auto, memory=residual, bucket_mb=25.0" in out
+    assert (
+        "  compressed " in out
+        and "      compressor=identity: a compressor spec (name:key=value;...) of: " in out
+    )
+    assert (
+        "      reducer=auto: 'auto' or a transport spec" in out
+        and "      memory=residual: a memory spec" in out
+    )
     from lowband.compress import COMPRESSORS, TRANSPORTS
 
     comp = out[out.index("compressors (") : out.index("transports (")]

@@ -199,14 +199,16 @@ def test_bad_options_and_transports() -> None:
     for spec, msg in [
         ("dgc:ratio=2", r"ratio must be a number in \[0, 1\]"),
         ("dgc:lower=1.5", r"lower must be a number in \(0, 1\]"),
-        ("dgc:upper=0.5", "upper must be a number in"),
+        ("dgc:upper=0.5", "upper must be a number >= 1, got 0.5"),
         ("dgc:warmup_epochs=-1", "warmup_epochs must be an int >= 0"),
         ("dgc:epoch_steps=0", "epoch_steps must be an int >= 1"),
     ]:
         with pytest.raises(InvalidArgumentError, match=msg):
             make_compressor(spec)
-    with pytest.raises(InvalidArgumentError, match="momentum must be a number"):
-        DGCMemory(momentum=1.5)
+    with pytest.raises(
+        InvalidArgumentError, match=r"memory 'dgc': momentum must be a number in \[0, 1\], got 1.5"
+    ):
+        make_reducer("allgather", "dgc:ratio=0.01", "dgc:momentum=1.5")
     with pytest.raises(InvalidArgumentError, match="not summable"):
         make_reducer("allreduce", "dgc:ratio=0.01", DGCMemory())
     assert repr(make_compressor("dgc:ratio=0.01")) == "DGC(ratio=0.01, sample_ratio=0.01, strided=True)"
@@ -231,7 +233,7 @@ def test_memory_from_a_spec() -> None:
         repr(make_reducer("allreduce", "identity", "residual:beta=0.5").memory) == "ResidualMemory(beta=0.5)"
     )
     for spec, msg in [
-        ("dgc:momentum=yes", "momentum=.yes. must be float"),
+        ("dgc:momentum=yes", r"memory 'dgc': momentum must be a number in \[0, 1\], got 'yes'"),
         ("dgc:lr=0.1", "unknown option"),
         ("momentum", "unknown memory 'momentum'; known: dgc, none, residual"),
     ]:

@@ -231,15 +231,15 @@ def test_orthogonalize_gives_orthonormal_columns() -> None:
 
 def test_bad_arguments() -> None:
     for kwargs, msg in [
-        ({"rank": 0}, "rank must be >= 1"),
-        ({"rank": 1.5}, "rank must be int"),
-        ({"start_iter": -1}, "start_iter must be >= 0"),
-        ({"warm_start": 1}, "warm_start must be bool"),
-        ({"min_compression_rate": -1.0}, "min_compression_rate must be >= 0"),
-        ({"seed": -3}, r"seed must be in \[0, 2\*\*32\)"),
+        ({"rank": 0}, "rank must be an int >= 1, got 0"),
+        ({"rank": 1.5}, "rank must be an int >= 1, got 1.5"),
+        ({"start_iter": -1}, "start_iter must be an int >= 0, got -1"),
+        ({"warm_start": 1}, "warm_start must be true or false, got 1"),
+        ({"min_compression_rate": -1.0}, "min_compression_rate must be a number >= 0, got -1.0"),
+        ({"seed": -3}, r"seed must be an int in \[0, 4294967296\), got -3"),
     ]:
         with pytest.raises(InvalidArgumentError, match=msg):
-            PowerSGDReducer(**kwargs)
+            make_reducer("powersgd", "identity", **kwargs)
     with pytest.raises(InvalidArgumentError, match="not summable"):
         make_reducer("powersgd", "topk:k=3")
     with pytest.raises(InvalidArgumentError, match="expects a 'powersgd' entry"):

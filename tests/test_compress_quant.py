@@ -260,9 +260,9 @@ def test_option_checks() -> None:
         ("qsgd:levels=0", "levels must be an int in"),
         ("qsgd:levels=128", "levels must be an int in"),
         ("qsgd:bucket=-1", "bucket must be an int >= 0"),
-        ("qsgd:levels=2.5", "must be int"),
-        ("terngrad:clip=-1", "clip must be"),
-        ("minmax8:stochastic=3", "must be bool"),
+        ("qsgd:levels=2.5", r"levels must be an int in \[1, 127\], got 2.5"),
+        ("terngrad:clip=-1", "clip must be a number >= 0, got -1"),
+        ("minmax8:stochastic=3", "stochastic must be true or false, got 3"),
         ("sign:levels=3", "unknown option"),
     ]:
         with pytest.raises(InvalidArgumentError, match=match):

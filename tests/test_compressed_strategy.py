@@ -68,9 +68,9 @@ BAD = [
     ({"compressor": "fp16:ratio=3"}, "compressor 'fp16': unknown option(s) ['ratio']"),
     ({"reducer": "allreduce:width=2"}, "transport 'allreduce': unknown option(s) ['width']"),
     ({"memory": "forever"}, "'forever'"),
-    ({"seed": "x"}, "option seed='x' must be int"),
+    ({"seed": "x"}, "seed must be an int, got 'x'"),
     ({"bucket_mb": -1}, "bucket_mb must be a number >= 0, got -1"),
-    ({"compressor": 3}, "option compressor=3 must be str"),
+    ({"compressor": 3}, "compressor must be a compressor spec (name:key=value;...) of: bf16,"),
     ({"colour": "red"}, "unknown option(s) ['colour']"),
 ]
 

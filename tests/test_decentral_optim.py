@@ -381,7 +381,7 @@ def _bad_options() -> list[str]:
         ("atc", {"topology": "nope"}),
         ("awc", {"allreduce_every": -1}),
         ("atc", {"period": 0}),
-        ("atc", {"period": "2"}),
+        ("atc", {"period": 2.5}),
         ("winput", {"topology": "dynamic-exp2"}),
         ("hierarchical-atc", {"topology": "inner-outer-exp2"}),
         ("atc", {"topology": "inner-outer-exp2"}),  # needs machines of more than 2 ranks
@@ -423,11 +423,11 @@ def _bad_options() -> list[str]:
 def test_bad_options_raise() -> None:
     errs = run_threads(_bad_options, 2, timeout=60)[0]
     assert len(errs) == 19, errs
-    assert "topology must be a Topology, a DynamicTopology or one of" in errs[0] and "nope" in errs[0]
+    assert "topology must be one of 'dynamic-exp2', 'exp2'" in errs[0] and "got 'nope'" in errs[0]
     assert "allreduce_every must be an int >= 0" in errs[1]
     assert "period must be an int >= 1, got 0" in errs[2]
-    assert "period must be an int >= 1, got '2'" in errs[3]
-    assert "topology must be a Topology or one of ['ring', 'exp2', 'full']" in errs[4]
+    assert "period must be an int >= 1, got 2.5" in errs[3]
+    assert "topology must be one of 'ring', 'exp2', 'full' or a Topology, got 'dynamic-exp2'" in errs[4]
     assert "'inner-outer-exp2'" in errs[5]
     assert "local_size" in errs[6]
     assert "unknown option(s) ['period']" in errs[7]

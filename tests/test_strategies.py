@@ -184,5 +184,5 @@ def test_registry_and_errors() -> None:
     assert "unknown strategy 'nope'" in errs[0] and "ddp" in errs[0]
     assert "period must be an int >= 1" in errs[1]
     assert "unknown option(s) ['H']" in errs[2]
-    assert "start_iter must be a number >= 2" in errs[3]
-    assert "hook must be one of ['fp16', 'none'], got 'bf16'" in errs[4]
+    assert "start_iter must be an int >= 2, got 1" in errs[3]
+    assert "hook must be one of 'none', 'fp16', got 'bf16'" in errs[4]

@@ -1,13 +1,14 @@
 """Registries: names to items (strategy factories, schedulers, workloads, compressors), so that the
-bench and the CLI never switch on strings, and an unknown name is one clear error listing the known."""
+bench and the CLI never switch on strings, and an unknown name is one clear error listing the known.
+Each item carries its options' schema (:mod:`lowband.options`), declared with its registration."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, TypeVar
 
 from lowband.errors import InvalidArgumentError
+from lowband.options import Options
 
 T = TypeVar("T")
 
@@ -20,39 +21,47 @@ class Registry(Generic[T]):
 
     def __init__(self, kind: str, items: Mapping[str, T] | None = None) -> None:
         self.kind = kind
-        self._items: dict[str, tuple[T, str]] = {}
+        self._items: dict[str, tuple[T, str, Options]] = {}
         for name, item in (items or {}).items():
             self.register(name, item)
 
-    def register(self, name: str, item: T, description: str = "") -> T:
-        """Add ``item`` as ``name`` (a name is registered once); returns ``item``."""
+    def register(self, name: str, item: T, description: str = "", options: Options | None = None) -> T:
+        """Add ``item`` as ``name`` (a name is registered once) with its ``options``' schema, bound to
+        its keyword-only parameters (:meth:`lowband.options.Options.bind`: every one declared, defaults
+        from the signature); returns ``item``."""
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError(
                 f"register {self.kind}: the name must be a non-empty str, got {name!r}"
             )
         if name in self._items:
             raise InvalidArgumentError(f"register {self.kind}: {name!r} is already registered")
-        self._items[name] = (item, description)
+        schema = (options or Options()).bind(item, f"register {self.kind} {name!r}")  # type: ignore[arg-type]
+        self._items[name] = (item, description, schema)
         return item
 
-    def registering(self, name: str, description: str = "") -> Callable[[T], T]:
+    def registering(
+        self, name: str, description: str = "", options: Options | None = None
+    ) -> Callable[[T], T]:
         """Decorator form of :meth:`register`."""
 
         def deco(item: T) -> T:
-            return self.register(name, item, description)
+            return self.register(name, item, description, options)
 
         return deco
 
     def get(self, name: object, where: str | None = None) -> T:
         """The item registered as ``name``, or :class:`InvalidArgumentError` listing the known names
         (prefixed by ``where``, the caller's label)."""
+        return self._entry(name, where)[0]
+
+    def _entry(self, name: object, where: str | None) -> tuple[T, str, Options]:
         entry = self._items.get(name) if isinstance(name, str) else None
         if entry is None:
             at = f"{where}: " if where else ""
             raise InvalidArgumentError(
                 f"{at}unknown {self.kind} {name!r}; known: {', '.join(self.names()) or 'none'}"
             )
-        return entry[0]
+        return entry
 
     def names(self) -> list[str]:
         return sorted(self._items)
@@ -61,18 +70,25 @@ class Registry(Generic[T]):
         """``name -> description``, sorted by name."""
         return {k: self._items[k][1] for k in self.names()}
 
-    def check_options(self, name: str, options: Mapping[str, Any], where: str | None = None) -> None:
-        """Raise unless every key of ``options`` is a keyword-only parameter of the (callable) item."""
-        fn = self.get(name, where)
-        assert callable(fn)
-        params = inspect.signature(fn).parameters.values()
-        accepted = sorted(p.name for p in params if p.kind == p.KEYWORD_ONLY)
-        unknown = sorted(set(options) - set(accepted))
-        if unknown:
-            at = where or f"{self.kind} {name!r}"
-            raise InvalidArgumentError(
-                f"{at}: unknown option(s) {unknown}; it takes {accepted or 'no options'}"
-            )
+    def options(self, name: str, where: str | None = None) -> Options:
+        """The options' schema of the item registered as ``name``."""
+        return self._entry(name, where)[2]
+
+    def check_options(
+        self, name: str, options: Mapping[str, Any], where: str | None = None
+    ) -> dict[str, Any]:
+        """``options`` checked and converted by the item's schema (unknown names, types, ranges, choices,
+        nested specs, rules); errors are prefixed by ``where`` (default ``"<kind> '<name>'"``)."""
+        schema = self.options(name, where)
+        return schema.check(where or f"{self.kind} {name!r}", options)
+
+    def check_spec(self, spec: str, where: str | None = None) -> tuple[str, dict[str, Any]]:
+        """A spec ``"name:key=value;key=value"`` (``,`` or ``;`` between options) -> ``(name, options)``,
+        the name registered and the options checked and converted (:meth:`check_options`)."""
+        name, options = parse_spec(spec, self.kind, semicolons=True)
+        schema = self.options(name, where)
+        at = f"{where}: " if where else ""
+        return name, schema.check(f"{at}{self.kind} {name!r}", options)
 
     def __getitem__(self, name: str) -> T:
         return self.get(name)

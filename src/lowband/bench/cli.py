@@ -7,9 +7,11 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lowband.bench.config import BenchConfig
 from lowband.errors import InvalidArgumentError, LowbandError
+from lowband.registry import Registry
 from lowband.run_cli import add_timeout
 
 
@@ -210,17 +212,17 @@ def main_demo(ns: argparse.Namespace) -> int:
 
 def _bench(ns: argparse.Namespace) -> int:
     from lowband.bench.runner import run_bench, run_sweep
-    from lowband.bench.validate import describe_options
-    from lowband.bench.workloads import workload_names
-    from lowband.strategies import describe_strategies
-    from lowband.strategies.registry import STRATEGIES
+    from lowband.bench.workloads import WORKLOADS
+    from lowband.strategies.registry import COMMON_OPTIONS, STRATEGIES
 
     if ns.list:
-        print("workloads: " + ", ".join(workload_names()))
-        print("strategies:")
-        for k, v in describe_strategies().items():
-            opts = describe_options(STRATEGIES.get(k))
-            print(f"  {k:12s} {v}" + (f"\n  {'':12s}   options: {opts}" if opts else ""))
+        print("workloads (-w NAME, or a user's module:factory / file.py:factory):")
+        _list(WORKLOADS)
+        print("strategies (-s NAME:key=value,...; every strategy also takes the common options):")
+        _list(STRATEGIES)
+        print("  common options:")
+        for line in COMMON_OPTIONS.help():
+            print(f"      {line}")
         _list_compression()
         from lowband.bench.collectives import _OPS
 
@@ -247,34 +249,33 @@ def _bench(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _options(factory: Callable[..., object]) -> str:
-    """A factory's keyword-only options with their defaults: ``key=default, ...``."""
-    import inspect
+def _list(registry: Registry[Any], skip: tuple[str, ...] = ()) -> None:
+    """Each item of ``registry``: its name and description, then one line per option (its default,
+    what it takes, its doc: the schema every check uses, :mod:`lowband.options`)."""
+    from lowband.bench.validate import help_options
 
-    params = inspect.signature(factory).parameters.values()
-    return ", ".join(f"{p.name}={p.default}" for p in params if p.kind == p.KEYWORD_ONLY)
+    for k, v in registry.descriptions().items():
+        print(f"  {k:12s} {v}")
+        for line in help_options(registry, k):
+            if not line.startswith(skip):
+                print(f"      {line}")
 
 
 def _list_compression() -> None:
-    """The ``compressed`` strategy's options and what it can be given: compressors, transports."""
-    from lowband.compress import COMPRESSORS, TRANSPORTS
-    from lowband.strategies import registry
+    """What the ``compressed`` strategy can be given: compressors, memories, transports."""
+    from lowband.compress import COMPRESSORS, MEMORIES, TRANSPORTS
 
-    print(f"  compressed options: {_options(registry.STRATEGIES.get('compressed'))}")
     print("    e.g. -s \"ddp+compressed:compressor=fp16,reducer=allreduce\" (nested options with ';': "
           "compressor=NAME:key=v;key=v)")  # fmt: skip
     print("compressors (compressed:compressor=NAME[:key=value;...]):")
-    for k, v in COMPRESSORS.descriptions().items():
-        opts = _options(COMPRESSORS.get(k))
-        print(f"  {k:12s} {v}" + (f" [{opts}]" if opts else ""))
+    _list(COMPRESSORS)
+    print("memories (compressed:memory=NAME[:key=value;...]):")
+    _list(MEMORIES)
     print(
-        "transports (compressed:reducer=NAME; auto = allreduce if the format sums on the wire, else allgather):"
+        "transports (compressed:reducer=NAME[:key=value;...]; auto = allreduce if the format sums on the "
+        "wire, else allgather):"
     )
-    for k, v in TRANSPORTS.descriptions().items():
-        opts = ", ".join(
-            o for o in _options(TRANSPORTS.get(k)).split(", ") if o and not o.startswith("seed=")
-        )
-        print(f"  {k:12s} {v}" + (f" [{opts}]" if opts else ""))
+    _list(TRANSPORTS, skip=("seed=",))
 
 
 def _demo(ns: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ import torch
 from lowband.comm.gather import iallgather
 from lowband.comm.handle import Handle
 from lowband.compress.base import CompressContext, Payload
-from lowband.compress.reducer import TRANSPORTS, CompressedReducer
+from lowband.compress.reducer import TRANSPORT_OPTIONS, TRANSPORTS, CompressedReducer
 from lowband.compress.wire import DTYPES, framed, from_bytes, header_bytes, payload_device, to_bytes, unframe
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -114,7 +114,7 @@ def split_frames(buf: Tensor, count: int) -> list[Tensor]:
 
 
 @TRANSPORTS.registering(
-    "allgather", "allgather-v of every rank's payload; each rank decodes all and averages"
+    "allgather", "allgather-v of every rank's payload; each rank decodes all and averages", TRANSPORT_OPTIONS
 )
 class AllgatherCompressedReducer(CompressedReducer):
     """Every rank's payload to every rank by one allgather-v; the average of every rank's decode, in

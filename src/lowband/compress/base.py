@@ -21,7 +21,6 @@ the wrong type, is one clear error.
 from __future__ import annotations
 
 import abc
-import inspect
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 
 from lowband.compress.finite import check_finite
 from lowband.errors import InvalidArgumentError
+from lowband.options import Options
 from lowband.registry import Registry
 from lowband.registry import parse_spec as registry_parse_spec
 
@@ -139,9 +139,12 @@ CompressorFactory = Callable[..., Compressor]
 COMPRESSORS: Registry[CompressorFactory] = Registry("compressor")
 
 
-def register_compressor(name: str, description: str) -> Callable[[CompressorFactory], CompressorFactory]:
-    """Class/function decorator; the factory's keyword-only parameters are the compressor's options."""
-    return COMPRESSORS.registering(name, description)
+def register_compressor(
+    name: str, description: str, options: Options | None = None
+) -> Callable[[CompressorFactory], CompressorFactory]:
+    """Class/function decorator; ``options`` declares the factory's keyword-only parameters, the
+    compressor's options (:mod:`lowband.options`)."""
+    return COMPRESSORS.registering(name, description, options)
 
 
 def parse_spec(spec: str, what: str = "compressor") -> tuple[str, dict[str, Any]]:
@@ -164,31 +167,4 @@ def make_compressor(spec: str | Compressor, **options: Any) -> Compressor:
     name, opts = parse_spec(spec)
     opts.update(options)
     factory = COMPRESSORS.get(name, "make_compressor")
-    COMPRESSORS.check_options(name, opts, f"compressor {name!r}")
-    check_option_types(f"compressor {name!r}", factory, opts)
-    return factory(**opts)
-
-
-def check_option_types(where: str, factory: Callable[..., Any], options: Mapping[str, Any]) -> None:
-    """Each option's value must match the factory's annotation (int, float, bool, str; an int is a
-    valid float). Annotations are read from the signature (strings evaluated in the factory's module)."""
-    try:
-        hints = inspect.get_annotations(factory, eval_str=True)
-    except Exception:  # pragma: no cover - an annotation that does not evaluate: nothing to check
-        return
-    if inspect.isclass(factory):
-        hints = inspect.get_annotations(factory.__init__, eval_str=True)  # type: ignore[misc]
-    for key, value in options.items():
-        want = hints.get(key)
-        if want is None or want is Any:
-            continue
-        allowed: tuple[type, ...] = getattr(want, "__args__", None) or (want,)
-        allowed = tuple(a for a in allowed if isinstance(a, type))
-        if not allowed:
-            continue
-        ok = isinstance(value, allowed) and not (isinstance(value, bool) and bool not in allowed)
-        if not ok and float in allowed and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
-            names = " or ".join(a.__name__ for a in allowed)
-            raise InvalidArgumentError(f"{where}: option {key}={value!r} must be {names}")
+    return factory(**COMPRESSORS.check_options(name, opts, f"compressor {name!r}"))

@@ -41,33 +41,9 @@ from lowband.compress.base import CompressContext, Compressor, Payload, check_in
 from lowband.compress.memory import MEMORIES, Memory, Segments, check_segments
 from lowband.compress.sparse import count_from_ratio, index_dtype, scatter, topk_indices
 from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options
 
 Tensor = torch.Tensor
-
-
-def _number(where: str, what: str, v: object, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    ok = (
-        not isinstance(v, bool)
-        and isinstance(v, (int, float))
-        and (lo < v if lo_open else lo <= v)
-        and v <= hi
-    )
-    if not ok:
-        bound = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
-        raise InvalidArgumentError(f"{where}: {what} must be a number in {bound}, got {v!r}")
-    return float(v)  # type: ignore[arg-type]
-
-
-def _int(where: str, what: str, v: object, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise InvalidArgumentError(f"{where}: {what} must be an int >= {lo}, got {v!r}")
-    return v
-
-
-def _bool(where: str, what: str, v: object) -> bool:
-    if not isinstance(v, bool):
-        raise InvalidArgumentError(f"{where}: {what} must be a bool, got {v!r}")
-    return v
 
 
 def sample_plan(d: int, density: float, sample_ratio: float) -> tuple[int, int]:
@@ -88,7 +64,24 @@ def sample_plan(d: int, density: float, sample_ratio: float) -> tuple[int, int]:
 
 
 @register_compressor(
-    "dgc", "Deep Gradient Compression: sampled top-k threshold with warm-up (memory: DGCMemory)"
+    "dgc",
+    "Deep Gradient Compression: sampled top-k threshold with warm-up (memory: DGCMemory)",
+    Options(
+        {
+            "ratio": Opt(float, min=0, max=1, doc="the density sent"),
+            "sample_ratio": Opt(float, gt=0, max=1, doc="the fraction sampled for the threshold (>= 1%)"),
+            "strided": Opt(bool, doc="a strided sample from a random start (else uniform)"),
+            "upper": Opt(float, min=1, finite=False, doc="more than upper * k selected: resample or raise"),
+            "lower": Opt(float, gt=0, max=1, doc="fewer than lower * k selected: lower the threshold"),
+            "max_adapt": Opt(int, min=0, doc="threshold adaptations at most"),
+            "resample": Opt(bool, doc="the exact top-k of an oversized selection"),
+            "warmup_epochs": Opt(int, min=0, doc="epochs of decreasing density"),
+            "epoch_steps": Opt(int, min=1, unit="steps", doc="steps per warm-up epoch"),
+            "warmup_coeff": Opt(
+                float, gt=0, max=1, doc="density coeff**(e+1) in epoch e (None: the authors')"
+            ),
+        }
+    ),
 )
 class DGC(Compressor):
     """The sampled-threshold sparsifier of Deep Gradient Compression; see the module docstring."""
@@ -111,22 +104,17 @@ class DGC(Compressor):
         epoch_steps: int = 1,
         warmup_coeff: float | None = None,
     ) -> None:
-        w = "DGC"
-        self.ratio = _number(w, "ratio", ratio, 0.0, 1.0)
-        self.sample_ratio = min(
-            max(_number(w, "sample_ratio", sample_ratio, 0.0, 1.0, lo_open=True), 0.01), 1.0
-        )
-        self.strided = _bool(w, "strided", strided)
-        self.upper = _number(w, "upper", upper, 1.0, math.inf)
-        self.lower = _number(w, "lower", lower, 0.0, 1.0, lo_open=True)
-        self.max_adapt = _int(w, "max_adapt", max_adapt, 0)
-        self.resample = _bool(w, "resample", resample)
-        self.warmup_epochs = _int(w, "warmup_epochs", warmup_epochs, 0)
-        self.epoch_steps = _int(w, "epoch_steps", epoch_steps, 1)
+        self.ratio = float(ratio)
+        self.sample_ratio = min(max(float(sample_ratio), 0.01), 1.0)
+        self.strided = strided
+        self.upper, self.lower = float(upper), float(lower)
+        self.max_adapt = max_adapt
+        self.resample = resample
+        self.warmup_epochs, self.epoch_steps = warmup_epochs, epoch_steps
         if warmup_coeff is None:
             coeff = self.ratio ** (1.0 / (self.warmup_epochs + 1)) if self.warmup_epochs else 1.0
         else:
-            coeff = _number(w, "warmup_coeff", warmup_coeff, 0.0, 1.0, lo_open=True)
+            coeff = float(warmup_coeff)
         self.warmup_coeff = coeff
         self._explicit_coeff = warmup_coeff is not None
 
@@ -204,7 +192,16 @@ class DGC(Compressor):
 
 
 @MEMORIES.registering(
-    "dgc", "Deep Gradient Compression's momentum correction (momentum=, masking=, clip_norm=)"
+    "dgc",
+    "Deep Gradient Compression's momentum correction (momentum=, masking=, clip_norm=)",
+    Options(
+        {
+            "momentum": Opt(float, min=0, max=1, doc="the momentum the memory keeps (not the optimizer)"),
+            "nesterov": Opt(bool, doc="Nesterov's momentum"),
+            "masking": Opt(bool, doc="momentum factor masking: what is sent is cleared from the momentum"),
+            "clip_norm": Opt(float, gt=0, finite=False, doc="local gradient clipping of each unit's L2 norm"),
+        }
+    ),
 )
 class DGCMemory(Memory):
     """Momentum correction (``u``, ``v`` per parameter name), momentum factor masking and local gradient
@@ -220,13 +217,9 @@ class DGCMemory(Memory):
         masking: bool = True,
         clip_norm: float | None = None,
     ) -> None:
-        w = "DGCMemory"
-        self.momentum = _number(w, "momentum", momentum, 0.0, 1.0)
-        self.nesterov = _bool(w, "nesterov", nesterov)
-        self.masking = _bool(w, "masking", masking)
-        self.clip_norm = (
-            None if clip_norm is None else _number(w, "clip_norm", clip_norm, 0.0, math.inf, lo_open=True)
-        )
+        self.momentum = float(momentum)
+        self.nesterov, self.masking = nesterov, masking
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.velocities: dict[str, Tensor] = {}
         self.momenta: dict[str, Tensor] = {}
 

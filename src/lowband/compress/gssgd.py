@@ -51,11 +51,11 @@ from lowband.compress.base import CompressContext
 from lowband.compress.heavymix import candidates, heavymix, keep_largest, local_topk, merge_topk, topk_indices
 from lowband.compress.sketch import CountSketch
 from lowband.compress.sparse import index_dtype
-from lowband.compress.sparse_update import SparseUpdateReducer, Step, check_number
+from lowband.compress.sparse_update import SparseUpdateReducer, Step
 from lowband.compress.tree import star_schedule, tree_schedule
-from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import ReduceContext, Unit
+from lowband.options import Opt, Options
 
 Tensor = torch.Tensor
 
@@ -63,11 +63,27 @@ RECOVERIES = ("heavymix", "topk")
 REDUCES = ("tree", "allreduce")
 FEEDBACKS = ("exact", "paper")
 
-
-def _choice(where: str, what: str, v: object, allowed: tuple[str, ...]) -> str:
-    if v not in allowed:
-        raise InvalidArgumentError(f"{where}: {what} must be one of {list(allowed)}, got {v!r}")
-    return str(v)
+#: the sketch's options (:class:`SketchingReducer`, checked by its constructor; ``gs-sgd``, ``sketched-sgd``)
+SKETCH_OPTIONS = Options(
+    {
+        "rows": Opt(int, min=1, max=64, doc="rows of each CountSketch"),
+        "cols": Opt(int, min=0, max=2**31 - 1, doc="columns of each CountSketch (0: 10 k)"),
+        "recovery": Opt(str, choices=RECOVERIES, doc="how the heavy coordinates are found from the sketch"),
+        "oversample": Opt(float, min=1, max=1e6, doc="candidates taken per coordinate to keep"),
+    }
+)
+#: gs-SGD's reduction of the sketches (:class:`GsSGDReducer`)
+REDUCE_OPTIONS = Options(
+    {
+        "reduce": Opt(
+            str, choices=REDUCES, doc="sketches summed over the halving/doubling tree or by allreduce"
+        )
+    }
+)
+#: gTop-k's error feedback (:class:`GTopKReducer`)
+FEEDBACK_OPTIONS = Options(
+    {"feedback": Opt(str, choices=FEEDBACKS, doc="residuals of the exact global top-k, or the paper's")}
+)
 
 
 class SketchingReducer(SparseUpdateReducer):
@@ -92,12 +108,12 @@ class SketchingReducer(SparseUpdateReducer):
             density=density, k=k, momentum=momentum, masking=masking, seed=seed, warmup=warmup,
             warmup_steps=warmup_steps,
         )  # fmt: skip
-        where = type(self).__name__
-        check_number(where, "rows", rows, 1, 64, integer=True)
-        check_number(where, "cols", cols, 0, 2**31 - 1, integer=True)
-        check_number(where, "oversample", oversample, 1.0, 1e6)
-        self.rows, self.cols, self.oversample = rows, cols, float(oversample)
-        self.recovery = _choice(where, "recovery", recovery, RECOVERIES)
+        given = {"rows": rows, "cols": cols, "recovery": recovery, "oversample": oversample}
+        o = SKETCH_OPTIONS.check(type(self).__name__, given)
+        self.rows: int = o["rows"]
+        self.cols: int = o["cols"]
+        self.oversample: float = o["oversample"]
+        self.recovery: str = o["recovery"]
         self._sketches: dict[tuple[str, int], CountSketch] = {}
 
     def cols_for(self, numel: int, step: int | None = None, *, density: float | None = None) -> int:
@@ -176,7 +192,7 @@ class GsSGDReducer(SketchingReducer):
             rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
             momentum=momentum, masking=masking, seed=seed, warmup=warmup, warmup_steps=warmup_steps,
         )  # fmt: skip
-        self.reduce_by = _choice(type(self).__name__, "reduce", reduce, REDUCES)
+        self.reduce_by: str = REDUCE_OPTIONS.check(type(self).__name__, {"reduce": reduce})["reduce"]
 
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
         t0 = time.perf_counter()
@@ -284,7 +300,7 @@ class GTopKReducer(SparseUpdateReducer):
             density=density, k=k, momentum=momentum, masking=masking, seed=seed, warmup=warmup,
             warmup_steps=warmup_steps,
         )  # fmt: skip
-        self.feedback = _choice(type(self).__name__, "feedback", feedback, FEEDBACKS)
+        self.feedback: str = FEEDBACK_OPTIONS.check(type(self).__name__, {"feedback": feedback})["feedback"]
 
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
         t0 = time.perf_counter()

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options
 from lowband.registry import Registry
 
 Tensor = torch.Tensor
@@ -89,7 +90,11 @@ class NoMemory(Memory):
         return "NoMemory()"
 
 
-@MEMORIES.registering("residual", "error feedback: what the compressor dropped, added to the next gradient")
+@MEMORIES.registering(
+    "residual",
+    "error feedback: what the compressor dropped, added to the next gradient",
+    Options({"beta": Opt(float, min=0, max=1, doc="the memory's weight when compensating (p = x + beta e)")}),
+)
 class ResidualMemory(Memory):
     """Error feedback (EF-SGD; MXNet's residual): ``p = x + e``, then ``e = p - decode(Q(p))``.
 
@@ -99,8 +104,6 @@ class ResidualMemory(Memory):
     kind = "residual"
 
     def __init__(self, *, beta: float = 1.0) -> None:
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-            raise InvalidArgumentError(f"ResidualMemory: beta must be a number in [0, 1], got {beta!r}")
         self.beta = float(beta)
         self.tensors: dict[str, Tensor] = {}
 

@@ -43,10 +43,18 @@ from lowband.comm.handle import Handle
 from lowband.comm.reduce import iallreduce
 from lowband.compress.base import CompressContext, Compressor, Payload
 from lowband.compress.memory import Memory, NoMemory, reshard_memories
-from lowband.compress.reducer import TRANSPORTS, CompressedReducer, flatten, segments, unflatten_into
+from lowband.compress.reducer import (
+    TRANSPORT_OPTIONS,
+    TRANSPORTS,
+    CompressedReducer,
+    flatten,
+    segments,
+    unflatten_into,
+)
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import ReduceContext, Unit
+from lowband.options import Opt, Options
 
 Tensor = torch.Tensor
 
@@ -96,17 +104,21 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _check(where: str, what: str, value: object, kind: type, low: float) -> None:
-    if isinstance(value, bool) != (kind is bool) or not isinstance(
-        value, (kind, int) if kind is float else kind
-    ):
-        raise InvalidArgumentError(f"{where}: {what} must be {kind.__name__}, got {value!r}")
-    if kind is not bool and not value >= low:  # type: ignore[operator]
-        raise InvalidArgumentError(f"{where}: {what} must be >= {low:g}, got {value!r}")
-
-
 @TRANSPORTS.registering(
-    "powersgd", "PowerSGD low-rank factors averaged by two allreduces (torch's powerSGD_hook)"
+    "powersgd",
+    "PowerSGD low-rank factors averaged by two allreduces (torch's powerSGD_hook)",
+    TRANSPORT_OPTIONS
+    | Options(
+        {
+            "seed": Opt(int, min=0, lt=2**32, doc="torch's random_seed (numpy's RandomState)"),
+            "rank": Opt(int, min=1, doc="matrix_approximation_rank"),
+            "start_iter": Opt(int, min=0, unit="steps", doc="start_powerSGD_iter: plain averaging before"),
+            "min_compression_rate": Opt(float, min=0, doc="tensors compressed less than this go whole"),
+            "warm_start": Opt(bool, doc="Q reused from the last step"),
+            "orthogonalization_epsilon": Opt(float, min=0, doc="added in the Gram-Schmidt division"),
+            "batch_same_shape": Opt(bool, doc="batch_tensors_with_same_shape"),
+        }
+    ),
 )
 class PowerSGDReducer(CompressedReducer):
     """PowerSGD; see the module docstring. ``rank`` is torch's ``matrix_approximation_rank``,
@@ -129,17 +141,6 @@ class PowerSGDReducer(CompressedReducer):
         batch_same_shape: bool = False,
     ) -> None:
         super().__init__(compressor, memory, seed=seed)
-        where = type(self).__name__
-        _check(where, "rank", rank, int, 1)
-        _check(where, "start_iter", start_iter, int, 0)
-        _check(where, "min_compression_rate", min_compression_rate, float, 0.0)
-        _check(where, "warm_start", warm_start, bool, 0)
-        _check(where, "orthogonalization_epsilon", orthogonalization_epsilon, float, 0.0)
-        _check(where, "batch_same_shape", batch_same_shape, bool, 0)
-        if seed < 0 or seed >= 2**32:
-            raise InvalidArgumentError(
-                f"{where}: seed must be in [0, 2**32) (numpy's RandomState), got {seed}"
-            )
         self.rank = rank
         self.start_iter = start_iter
         self.min_compression_rate = float(min_compression_rate)

@@ -42,7 +42,7 @@ from lowband.comm.handle import Handle
 from lowband.compress.allgather import average_decodes, data_device, rank_context, read_payload, wire_bytes
 from lowband.compress.base import CompressContext, Payload
 from lowband.compress.memory import Segments
-from lowband.compress.reducer import TRANSPORTS, CompressedReducer
+from lowband.compress.reducer import TRANSPORT_OPTIONS, TRANSPORTS, CompressedReducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import Unit
@@ -145,7 +145,9 @@ def shard_context(cctx: CompressContext, j: int, rank: int | None = None) -> Com
 
 
 @TRANSPORTS.registering(
-    "ps", "colocated parameter servers: shards compressed to their owners, averaged, allgathered"
+    "ps",
+    "colocated parameter servers: shards compressed to their owners, averaged, allgathered",
+    TRANSPORT_OPTIONS,
 )
 class PSCompressedReducer(CompressedReducer):
     """Colocated parameter servers; see the module docstring.

@@ -32,7 +32,6 @@ same payload, different ranks round independently.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ import torch
 from lowband.compress.base import CompressContext, Compressor, Payload, check_input, register_compressor
 from lowband.compress.bits import pack_bits, packed_size, unpack_bits, width_for
 from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options
 
 Tensor = torch.Tensor
 F32 = torch.float32
@@ -48,13 +48,6 @@ F32 = torch.float32
 def _work(x: Tensor) -> Tensor:
     """``x`` in the dtype the maths runs in: float64 stays, anything else becomes float32."""
     return x if x.dtype == torch.float64 else x.to(F32)
-
-
-def _int_option(where: str, name: str, value: object, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise InvalidArgumentError(f"{where}: {name} must be an int {bound}, got {value!r}")
-    return value
 
 
 def _buckets(x: Tensor, bucket: int, fill: str) -> Tensor:
@@ -162,8 +155,14 @@ class ScaledSign(Compressor):
         return 4 + packed_size(numel, 1)
 
 
+def _bucket(what: str) -> Opt:
+    return Opt(int, min=0, unit="values", doc=f"values per {what} (0: one per tensor)")
+
+
 @register_compressor(
-    "qsgd", "QSGD: s levels per bucket L2 norm, stochastic rounding (options levels, bucket)"
+    "qsgd",
+    "QSGD: s levels per bucket L2 norm, stochastic rounding (options levels, bucket)",
+    Options({"levels": Opt(int, min=1, max=127, doc="s, the levels per sign"), "bucket": _bucket("L2 norm")}),
 )
 class QSGD(Compressor):
     """QSGD with ``levels`` (``s``, 1..127) levels and an L2 norm per ``bucket`` values (``bucket=0``:
@@ -172,9 +171,7 @@ class QSGD(Compressor):
     name = "qsgd"
 
     def __init__(self, *, levels: int = 7, bucket: int = 512) -> None:
-        where = "lowband compressor 'qsgd'"
-        self.levels = _int_option(where, "levels", levels, 1, 127)
-        self.bucket = _int_option(where, "bucket", bucket, 0)
+        self.levels, self.bucket = levels, bucket
         self.bits = width_for(2 * self.levels + 1)
 
     def compress(self, x: Tensor, ctx: CompressContext) -> Payload:
@@ -205,7 +202,16 @@ class QSGD(Compressor):
         return {"levels": self.levels, "bucket": self.bucket}
 
 
-@register_compressor("terngrad", "TernGrad: max|x| per bucket times a stochastic ternary, 2 bits per value")
+@register_compressor(
+    "terngrad",
+    "TernGrad: max|x| per bucket times a stochastic ternary, 2 bits per value",
+    Options(
+        {
+            "bucket": _bucket("max-abs scaler"),
+            "clip": Opt(float, min=0, doc="clip to clip standard deviations first (0: off; the paper's 2.5)"),
+        }
+    ),
+)
 class TernGrad(Compressor):
     """TernGrad with a max-abs scaler per ``bucket`` values (0: per tensor, the paper's per-layer) and
     optional clipping to ``clip`` standard deviations (0: off; the paper's value is 2.5)."""
@@ -213,16 +219,7 @@ class TernGrad(Compressor):
     name = "terngrad"
 
     def __init__(self, *, bucket: int = 0, clip: float = 0.0) -> None:
-        where = "lowband compressor 'terngrad'"
-        self.bucket = _int_option(where, "bucket", bucket, 0)
-        ok = (
-            not isinstance(clip, bool)
-            and isinstance(clip, (int, float))
-            and math.isfinite(clip)
-            and clip >= 0
-        )
-        if not ok:
-            raise InvalidArgumentError(f"{where}: clip must be a finite number >= 0, got {clip!r}")
+        self.bucket = bucket
         self.clip = float(clip)
 
     def compress(self, x: Tensor, ctx: CompressContext) -> Payload:
@@ -265,7 +262,13 @@ class TernGrad(Compressor):
         return {"bucket": self.bucket, "clip": self.clip}
 
 
-@register_compressor("minmax8", "8-bit min-max uniform quantization per bucket (float32 min and step)")
+@register_compressor(
+    "minmax8",
+    "8-bit min-max uniform quantization per bucket (float32 min and step)",
+    Options(
+        {"bucket": _bucket("minimum and step"), "stochastic": Opt(bool, doc="unbiased stochastic rounding")}
+    ),
+)
 class MinMax8(Compressor):
     """256 uniform levels between each bucket's minimum and maximum; nearest level, or unbiased
     stochastic rounding with ``stochastic=True``."""
@@ -273,10 +276,7 @@ class MinMax8(Compressor):
     name = "minmax8"
 
     def __init__(self, *, bucket: int = 512, stochastic: bool = False) -> None:
-        where = "lowband compressor 'minmax8'"
-        self.bucket = _int_option(where, "bucket", bucket, 0)
-        if not isinstance(stochastic, bool):
-            raise InvalidArgumentError(f"{where}: stochastic must be a bool, got {stochastic!r}")
+        self.bucket = bucket
         self.stochastic = stochastic
 
     def compress(self, x: Tensor, ctx: CompressContext) -> Payload:

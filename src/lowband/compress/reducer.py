@@ -32,7 +32,6 @@ from lowband.compress.base import (
     CompressContext,
     Compressor,
     Payload,
-    check_option_types,
     make_compressor,
     parse_spec,
 )
@@ -40,6 +39,7 @@ from lowband.compress.memory import MEMORIES, Memory, NoMemory, Segments
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
+from lowband.options import Opt, Options
 from lowband.registry import Registry
 
 Tensor = torch.Tensor
@@ -102,8 +102,6 @@ class CompressedReducer(Reducer):
         where = type(self).__name__
         self.compressor = make_compressor(compressor)
         self.memory = make_memory(memory, where)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(f"{where}: seed must be an int, got {seed!r}")
         self.seed = seed
         self.timings = Timings()
         self._timing_lock = threading.Lock()
@@ -186,13 +184,14 @@ def make_memory(memory: Memory | str | None, where: str) -> Memory:
         )
     name, opts = parse_spec(memory, "memory")
     factory = MEMORIES.get(name, f"{where}: memory")
-    MEMORIES.check_options(name, opts, f"{where}: memory {name!r}")
-    check_option_types(f"{where}: memory {name!r}", factory, opts)
-    return factory(**opts)
+    return factory(**MEMORIES.check_options(name, opts, f"{where}: memory {name!r}"))
 
 
 #: every transport: ``cls(compressor, memory, *, seed=..., **options) -> CompressedReducer``
 TRANSPORTS: Registry[type[CompressedReducer]] = Registry("transport")
+
+#: the options every transport takes (a transport registers ``TRANSPORT_OPTIONS | its own``)
+TRANSPORT_OPTIONS = Options({"seed": Opt(int, doc="seeds random compressors (with the step and the unit)")})
 
 
 def make_reducer(
@@ -206,12 +205,15 @@ def make_reducer(
     """The compressed reducer ``transport`` ("allreduce", "allgather", "ps", "twostage", ...) carrying
     ``compressor`` with ``memory``; ``options`` go to the transport's constructor."""
     cls = TRANSPORTS.get(transport, "make_reducer")
-    TRANSPORTS.check_options(transport, options, f"make_reducer: transport {transport!r}")
-    check_option_types(f"make_reducer: transport {transport!r}", cls, options)
-    return cls(compressor, memory, seed=seed, **options)
+    got = TRANSPORTS.check_options(
+        transport, {**options, "seed": seed}, f"make_reducer: transport {transport!r}"
+    )
+    return cls(compressor, memory, **got)
 
 
-@TRANSPORTS.registering("allreduce", "payloads summed on the wire (summable formats: casts)")
+@TRANSPORTS.registering(
+    "allreduce", "payloads summed on the wire (summable formats: casts)", TRANSPORT_OPTIONS
+)
 class AllreduceCompressedReducer(CompressedReducer):
     """Payloads summed on the wire by one allreduce per payload tensor (summable formats: casts), then
     decoded once and divided by the group size."""

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from lowband.compress.base import CompressContext, Compressor, Payload, check_input, register_compressor
-from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options, Rule
 
 Tensor = torch.Tensor
 
@@ -45,17 +45,14 @@ def index_dtype(d: int) -> torch.dtype:
     return torch.int32 if d < _INT32_LIMIT else torch.int64
 
 
-def check_count(where: str, ratio: float | None, k: int | None) -> tuple[float | None, int | None]:
-    """Validate the ``ratio``/``k`` pair of a sparsifier: exactly one, ``ratio`` in [0, 1], ``k >= 0``."""
-    if (ratio is None) == (k is None):
-        raise InvalidArgumentError(f"{where}: give exactly one of ratio and k, got ratio={ratio!r}, k={k!r}")
-    if ratio is not None:
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 <= ratio <= 1.0:
-            raise InvalidArgumentError(f"{where}: ratio must be a number in [0, 1], got {ratio!r}")
-        return float(ratio), None
-    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-        raise InvalidArgumentError(f"{where}: k must be an int >= 0, got {k!r}")
-    return None, k
+#: a sparsifier's count: ``ratio`` or ``k`` (neither: ratio 0.01)
+COUNT_OPTIONS = Options(
+    {
+        "ratio": Opt(float, min=0, max=1, doc="the fraction of each unit sent (default 0.01)"),
+        "k": Opt(int, min=0, doc="the elements of each unit sent"),
+    },
+    rules=[Rule(("ratio", "k"), "give ratio or k, not both", lambda o: o["ratio"] is None or o["k"] is None)],
+)
 
 
 def topk_indices(a: Tensor, k: int) -> Tensor:
@@ -85,7 +82,7 @@ def scatter(values: Tensor, indices: Tensor, numel: int, dtype: torch.dtype) -> 
 
 class _Sparsifier(Compressor):
     def __init__(self, ratio: float | None, k: int | None) -> None:
-        self.ratio, self.k = check_count(type(self).__name__, ratio, k)
+        self.ratio, self.k = (None if ratio is None else float(ratio)), k
 
     def count(self, d: int) -> int:
         """How many elements of a unit of ``d`` are sent."""
@@ -98,7 +95,9 @@ class _Sparsifier(Compressor):
         return {"ratio": self.ratio} if self.ratio is not None else {"k": self.k}
 
 
-@register_compressor("topk", "the k largest magnitudes (ratio= or k=), indices and values on the wire")
+@register_compressor(
+    "topk", "the k largest magnitudes (ratio= or k=), indices and values on the wire", COUNT_OPTIONS
+)
 class TopK(_Sparsifier):
     """The ``k`` largest ``|x|``, ties broken by lowest index; see the module docstring."""
 
@@ -124,7 +123,11 @@ class TopK(_Sparsifier):
         return self.count(d) * (index_dtype(d).itemsize + dtype.itemsize)
 
 
-@register_compressor("randomk", "k coordinates from a shared seed (ratio= or k=, scale=): values only")
+@register_compressor(
+    "randomk",
+    "k coordinates from a shared seed (ratio= or k=, scale=): values only",
+    COUNT_OPTIONS | Options({"scale": Opt(bool, doc="decode scaled by d / k (unbiased)")}),
+)
 class RandomK(_Sparsifier):
     """``k`` coordinates drawn without replacement from the shared per-step stream; see the module
     docstring."""
@@ -135,8 +138,6 @@ class RandomK(_Sparsifier):
 
     def __init__(self, *, ratio: float | None = None, k: int | None = None, scale: bool = False) -> None:
         super().__init__(0.01 if ratio is None and k is None else ratio, k)
-        if not isinstance(scale, bool):
-            raise InvalidArgumentError(f"RandomK: scale must be a bool, got {scale!r}")
         self.scale = scale
         self._last: tuple[tuple[int, int, str, int, torch.device], Tensor] | None = None
 

@@ -37,45 +37,54 @@ from lowband.compress.reducer import Timings, flatten, segments, unflatten_into
 from lowband.compress.sparse import count_from_ratio
 from lowband.errors import InvalidArgumentError
 from lowband.optim.reducer import Reducer, Unit
+from lowband.options import Opt, Options, Rule
 
 Tensor = torch.Tensor
-
-
-def check_number(where: str, what: str, v: object, low: float, high: float, *, integer: bool = False) -> None:
-    kinds: tuple[type, ...] = (int,) if integer else (int, float)
-    if isinstance(v, bool) or not isinstance(v, kinds) or not low <= float(v) <= high:  # type: ignore[arg-type]
-        kind = "an int" if integer else "a number"
-        raise InvalidArgumentError(f"{where}: {what} must be {kind} in [{low:g}, {high:g}], got {v!r}")
-
 
 #: gs-SGD's warm-up densities ("paper"), one per epoch of its first four
 PAPER_WARMUP = (0.25, 0.0725, 0.015, 0.004)
 
 
-def parse_warmup(where: str, warmup: object) -> tuple[float, ...]:
-    """``"0.25/0.0725"``, ``"paper"``, ``""`` or a sequence of densities -> a tuple of densities in (0, 1]."""
-    bad = f"{where}: warmup must be densities separated by '/' (e.g. 0.25/0.015) or 'paper', got {warmup!r}"
-    items: list[object]
+def parse_warmup(warmup: str | Sequence[float]) -> tuple[float, ...]:
+    """``"0.25/0.0725"``, ``"paper"``, ``""`` or a sequence of densities -> a tuple of densities in
+    (0, 1]; ``ValueError`` otherwise (the warmup option's parser, :data:`SPARSE_OPTIONS`)."""
     if isinstance(warmup, str):
         text = warmup.strip()
         if text == "paper":
             return PAPER_WARMUP
-        try:
-            items = [float(v) for v in text.split("/")] if text else []
-        except ValueError:
-            raise InvalidArgumentError(bad) from None
-    elif isinstance(warmup, (list, tuple)):
-        items = list(warmup)
+        items = [float(v) for v in text.split("/")] if text else []
     else:
-        raise InvalidArgumentError(bad)
-    out: list[float] = []
-    for v in items:
-        check_number(where, "each warm-up density", v, 0.0, 1.0)
-        assert isinstance(v, (int, float))
-        if v <= 0:
-            raise InvalidArgumentError(f"{where}: warm-up densities must be > 0, got {warmup!r}")
-        out.append(float(v))
-    return tuple(out)
+        items = list(warmup)
+    ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1 for v in items)
+    if not ok:
+        raise ValueError(f"warm-up densities must be numbers in (0, 1], got {warmup!r}")
+    return tuple(float(v) for v in items)
+
+
+#: the options of every globally sparse reducer (:class:`SparseUpdateReducer`; defaults its own),
+#: checked by its constructor, and of the strategies on them (``gs-sgd``, ``sketched-sgd``, ``gtopk``)
+SPARSE_OPTIONS = Options(
+    {
+        "density": Opt(float, min=0, max=1, doc="the fraction of each unit applied per step (when k=0)"),
+        "k": Opt(int, min=0, doc="coordinates applied per unit and step (0: from density)"),
+        "momentum": Opt(float, min=0, max=1, doc="Sketched-SGD's worker momentum (0: the optimizer's)"),
+        "masking": Opt(bool, doc="zero the worker momentum at the applied coordinates"),
+        "seed": Opt(int, doc="seeds the sketches' hashes and random fills"),
+        "warmup": Opt(
+            str, objects=(list, tuple), parse=parse_warmup,
+            what="densities in (0, 1] separated by '/' (e.g. 0.25/0.015), 'paper' or ''",
+            doc="warm-up densities, each for warmup_steps reductions",
+        ),
+        "warmup_steps": Opt(int, min=0, unit="steps", doc="reductions per warm-up density"),
+    },
+    rules=[
+        Rule(("density", "k"), "give density in (0, 1] or k >= 1", lambda o: o["k"] > 0 or o["density"] > 0),
+        Rule(
+            ("warmup", "warmup_steps"), "a warm-up needs warmup_steps >= 1 (steps per density)",
+            lambda o: not parse_warmup(o["warmup"]) or o["warmup_steps"] >= 1,
+        ),
+    ],
+)  # fmt: skip
 
 
 @dataclass
@@ -106,30 +115,18 @@ class SparseUpdateReducer(Reducer):
         warmup: str | Sequence[float] = "",
         warmup_steps: int = 0,
     ) -> None:
-        where = type(self).__name__
-        check_number(where, "density", density, 0.0, 1.0)
-        check_number(where, "k", k, 0, 2**62, integer=True)
-        if k == 0 and density <= 0:
-            raise InvalidArgumentError(f"{where}: give density in (0, 1] or k >= 1")
-        check_number(where, "momentum", momentum, 0.0, 1.0)
-        if not isinstance(masking, bool):
-            raise InvalidArgumentError(f"{where}: masking must be a bool, got {masking!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(f"{where}: seed must be an int, got {seed!r}")
-        self.density, self.k, self.momentum, self.masking, self.seed = (
-            float(density),
-            k,
-            momentum,
-            masking,
-            seed,
-        )
-        self.warmup = parse_warmup(where, warmup)
-        check_number(where, "warmup_steps", warmup_steps, 0, 2**62, integer=True)
-        if self.warmup and warmup_steps == 0:
-            raise InvalidArgumentError(
-                f"{where}: warmup={warmup!r} needs warmup_steps >= 1 (steps per density)"
-            )
-        self.warmup_steps = warmup_steps
+        given = {
+            "density": density, "k": k, "momentum": momentum, "masking": masking, "seed": seed,
+            "warmup": warmup, "warmup_steps": warmup_steps,
+        }  # fmt: skip
+        o = SPARSE_OPTIONS.check(type(self).__name__, given)
+        self.density: float = o["density"]
+        self.k: int = o["k"]
+        self.momentum: float = o["momentum"]
+        self.masking: bool = o["masking"]
+        self.seed: int = o["seed"]
+        self.warmup = parse_warmup(o["warmup"])
+        self.warmup_steps: int = o["warmup_steps"]
         self.memory = ResidualMemory()
         self.velocity = ResidualMemory(beta=momentum) if momentum > 0 else None
         self.timings = Timings()

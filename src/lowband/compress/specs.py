@@ -16,21 +16,35 @@ from __future__ import annotations
 
 from typing import Any
 
-from lowband.compress.base import Compressor, check_option_types, make_compressor, parse_spec
-from lowband.compress.memory import NoMemory
+from lowband.compress.base import COMPRESSORS, Compressor, make_compressor
+from lowband.compress.memory import MEMORIES, NoMemory
 from lowband.compress.reducer import TRANSPORTS, CompressedReducer
 from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options
+
+#: the options of a compressed reducer built from specs, shared by every strategy that builds one (the
+#: ``compressed`` and ``slimgc`` strategies: defaults their own) and by :func:`build_reducer`
+REDUCER_OPTIONS = Options(
+    {
+        "compressor": Opt(
+            str, spec=COMPRESSORS, objects=(Compressor,),
+            doc="the compressor and its options (';' between nested options)",
+        ),
+        "reducer": Opt(
+            str, words=("auto",), spec=TRANSPORTS,
+            doc="the transport (auto: allreduce for formats that sum on the wire, else allgather)",
+        ),
+        "memory": Opt(str, spec=MEMORIES, doc="error feedback: residual, none, dgc (with their options)"),
+        "seed": Opt(int, doc="seeds random compressors (with the step and the unit's name)"),
+    }
+)  # fmt: skip
 
 
 def resolve_transport(reducer: str, compressor: Compressor) -> tuple[str, dict[str, Any]]:
     """``(transport name, options)`` for the reducer spec ``reducer`` carrying ``compressor``."""
     if reducer == "auto":
         return ("allreduce" if compressor.summable else "allgather"), {}
-    name, options = parse_spec(reducer, "reducer")
-    cls = TRANSPORTS.get(name, "reducer")
-    TRANSPORTS.check_options(name, options, f"transport {name!r}")
-    check_option_types(f"transport {name!r}", cls, options)
-    return name, options
+    return TRANSPORTS.check_spec(reducer)
 
 
 def build_reducer(
@@ -42,14 +56,12 @@ def build_reducer(
     where: str = "compressed reducer",
 ) -> CompressedReducer:
     """The :class:`CompressedReducer` the specs describe (module docstring); every name, option and
-    value is checked here, and any error is one :class:`InvalidArgumentError` prefixed by ``where``."""
+    value is checked here (:data:`REDUCER_OPTIONS`, nested specs included), and any error is one
+    :class:`InvalidArgumentError` prefixed by ``where``."""
+    given = {"compressor": compressor, "reducer": reducer, "memory": memory, "seed": seed}
+    got = REDUCER_OPTIONS.check(where, given)
+    compressor, reducer, memory, seed = (got[k] for k in ("compressor", "reducer", "memory", "seed"))
     try:
-        if not isinstance(reducer, str):
-            raise InvalidArgumentError(f"reducer must be a transport spec (str), got {reducer!r}")
-        if not isinstance(memory, str):
-            raise InvalidArgumentError(f"memory must be a memory spec (str), got {memory!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgumentError(f"seed must be an int, got {seed!r}")
         comp = make_compressor(compressor)
         name, options = resolve_transport(reducer, comp)
         return TRANSPORTS.get(name)(comp, memory, seed=seed, **options)

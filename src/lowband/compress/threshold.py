@@ -40,7 +40,6 @@ again. With a power-of-two ``scale`` the memory times ``scale`` is exactly MXNet
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
@@ -48,6 +47,7 @@ import torch
 from lowband.compress.base import CompressContext, Compressor, Payload, check_input, register_compressor
 from lowband.compress.bits import pack_bits, packed_size, unpack_bits
 from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options
 
 Tensor = torch.Tensor
 
@@ -57,22 +57,15 @@ def _float32(value: float) -> float:
     return float(torch.tensor(value, dtype=torch.float32, device="cpu"))  # a host value
 
 
-def _number(where: str, name: str, value: object, *, positive: bool) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if not ok or (positive and float(value) <= 0):  # type: ignore[arg-type]
-        kind = "a finite number > 0" if positive else "a finite number"
-        raise InvalidArgumentError(f"{where}: {name} must be {kind}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+_SCALE = Opt(float, gt=0, doc="the batch scale the gradient is multiplied by before the threshold")
 
 
 class _Threshold(Compressor):
     bits: ClassVar[int] = 1
 
     def __init__(self, *, threshold: float = 0.5, scale: float = 1.0) -> None:
-        where = f"lowband compressor {self.name!r}"
-        t = _number(where, "threshold", threshold, positive=self.bits == 2)
-        self.threshold = _float32(t)
-        self.scale = _number(where, "scale", scale, positive=True)
+        self.threshold = _float32(threshold)
+        self.scale = float(scale)
 
     def _scaled(self, x: Tensor) -> Tensor:
         return x * self.scale if self.scale != 1.0 else x
@@ -98,7 +91,11 @@ class _Threshold(Compressor):
         return {"threshold": self.threshold, "scale": self.scale}
 
 
-@register_compressor("onebit", "MXNet's 1-bit threshold quantizer (+-1 levels, 1 bit per value)")
+@register_compressor(
+    "onebit",
+    "MXNet's 1-bit threshold quantizer (+-1 levels, 1 bit per value)",
+    Options({"threshold": Opt(float, doc="bit 1 where scale * x > threshold"), "scale": _SCALE}),
+)
 class OneBit(_Threshold):
     """MXNet's 1-bit quantizer; see the module docstring. ``threshold``: bit 1 where ``scale * p >
     threshold`` (default 0.5, MXNet's and the SlimGC paper's); ``scale``: the batch scale."""
@@ -116,7 +113,11 @@ class OneBit(_Threshold):
         return self._unscale(out)
 
 
-@register_compressor("twobit", "MXNet's 2-bit threshold quantizer (+t / 0 / -t, 2 bits per value)")
+@register_compressor(
+    "twobit",
+    "MXNet's 2-bit threshold quantizer (+t / 0 / -t, 2 bits per value)",
+    Options({"threshold": Opt(float, gt=0, doc="+t where scale * x >= t, -t where <= -t"), "scale": _SCALE}),
+)
 class TwoBit(_Threshold):
     """MXNet's 2-bit quantizer; see the module docstring. ``threshold`` (> 0, default 0.5): code ``11``
     where ``scale * p >= threshold``, ``10`` where ``<= -threshold``; ``scale``: the batch scale."""

@@ -54,10 +54,11 @@ from lowband.compress.ps import (
     shard_segments,
     split_sizes,
 )
-from lowband.compress.reducer import TRANSPORTS
+from lowband.compress.reducer import TRANSPORT_OPTIONS, TRANSPORTS
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import Unit
+from lowband.options import Opt, Options
 
 Tensor = torch.Tensor
 
@@ -68,7 +69,10 @@ def server_context(cctx: CompressContext, j: int) -> CompressContext:
 
 
 @TRANSPORTS.registering(
-    "twostage", "compressed alltoall to chunk owners, server error feedback, compressed allgather"
+    "twostage",
+    "compressed alltoall to chunk owners, server error feedback, compressed allgather",
+    TRANSPORT_OPTIONS
+    | Options({"server_memory": Opt(bool, doc="the servers' error feedback (false: an ablation)")}),
 )
 class TwoStageCompressedReducer(PSCompressedReducer):
     """Two-stage compressed allreduce; see the module docstring. ``server_memory=False`` drops the
@@ -92,10 +96,6 @@ class TwoStageCompressedReducer(PSCompressedReducer):
         server_memory: bool = True,
     ) -> None:
         super().__init__(compressor, memory, seed=seed)
-        if not isinstance(server_memory, bool):
-            raise InvalidArgumentError(
-                f"{type(self).__name__}: server_memory must be a bool, got {server_memory!r}"
-            )
         #: the server's error feedback (this rank's part of each parameter), or None
         self.server: ResidualMemory | None = ResidualMemory() if server_memory else None
         #: the world size the server memory's parts were cut for (None: not known yet)

@@ -1,7 +1,7 @@
 """The decentralized optimizers as lowband strategies (so ``lowband bench`` and ``lowband demo`` run them):
 ``atc``, ``awc``, ``hierarchical-atc``, ``winput`` and ``gradient-allreduce``.
 
-Options (keyword-only, validated):
+Options (keyword-only, declared in :data:`NEIGHBOR_OPTIONS` and checked before construction):
 
 - ``topology``: a :class:`Topology`, a :class:`DynamicTopology` (as the decentralized optimizers
   take; :func:`lowband.topology.names.build_topology` parses both) or a name from :data:`TOPOLOGIES` — ``ring``, ``exp2`` (static exponential-2),
@@ -33,6 +33,7 @@ from lowband.decentral.optim_base import CommunicationType, DecentralizedOptimiz
 from lowband.decentral.winput import WinPutOptimizer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.options import Opt, Options
 from lowband.runtime import current
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
@@ -43,6 +44,7 @@ from lowband.topology.names import (
     TOPOLOGIES,
     build_topology,
     topology_label,
+    topology_option,
 )
 
 #: a topology option: a registered name, a :class:`Topology` or a :class:`DynamicTopology`
@@ -52,10 +54,15 @@ TopologyArg = str | Topology | DynamicTopology
 DEFAULT_TOPOLOGY = "dynamic-exp2"
 
 
-def _check_int(where: str, what: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidArgumentError(f"{where}: {what} must be an int >= {minimum}, got {value!r}")
-    return value
+_PERIOD = Opt(int, min=1, unit="steps", doc="communicate every period-th step (local steps between)")
+#: the options of ``atc`` and ``awc`` (module docstring); ``hierarchical-atc`` takes machine topologies
+NEIGHBOR_OPTIONS = Options(
+    {
+        "topology": topology_option(tuple(TOPOLOGIES)),
+        "allreduce_every": Opt(int, min=0, doc="every k-th communication a global allreduce (0: never)"),
+        "period": _PERIOD,
+    }
+)
 
 
 class DecentralStrategy(Strategy):
@@ -117,10 +124,6 @@ class DecentralStrategy(Strategy):
         self.optimizer.remove_hooks()
 
 
-def _options(where: str, allreduce_every: object, period: object) -> tuple[int, int]:
-    return _check_int(where, "allreduce_every", allreduce_every, 0), _check_int(where, "period", period, 1)
-
-
 class _NeighborStrategy(DecentralStrategy):
     """ATC or AWC (``optimizer_class``) over a named topology: the one constructor both share."""
 
@@ -131,7 +134,7 @@ class _NeighborStrategy(DecentralStrategy):
         allreduce_every: int = 0, period: int = 1,
     ) -> None:  # fmt: skip
         where = f"{type(self).__name__}"
-        ae, h = _options(where, allreduce_every, period)
+        ae, h = allreduce_every, period
         topo = build_topology(where, topology, tuple(TOPOLOGIES), group.size, current(where).local_size)
         opt = self.optimizer_class(
             model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
@@ -139,21 +142,27 @@ class _NeighborStrategy(DecentralStrategy):
         super().__init__(model, opt, group, topology=topology, allreduce_every=ae, period=h)
 
 
-@register_strategy("atc", "BlueFog Adapt-Then-Combine: layer steps in backward, then neighbor averaging")
+@register_strategy(
+    "atc", "BlueFog Adapt-Then-Combine: layer steps in backward, then neighbor averaging", NEIGHBOR_OPTIONS
+)
 class ATCStrategy(_NeighborStrategy):
     name = "atc"
     steps_in_backward = True
     optimizer_class = AdaptThenCombineOptimizer
 
 
-@register_strategy("awc", "BlueFog Adapt-With-Combine: neighbor averaging from forward hooks, overlapped")
+@register_strategy(
+    "awc", "BlueFog Adapt-With-Combine: neighbor averaging from forward hooks, overlapped", NEIGHBOR_OPTIONS
+)
 class AWCStrategy(_NeighborStrategy):
     name = "awc"
     optimizer_class = AdaptWithCombineOptimizer
 
 
 @register_strategy(
-    "hierarchical-atc", "BlueFog ATC with hierarchical neighbor averaging (machine average, then machines)"
+    "hierarchical-atc",
+    "BlueFog ATC with hierarchical neighbor averaging (machine average, then machines)",
+    NEIGHBOR_OPTIONS | Options({"topology": topology_option(MACHINE_TOPOLOGIES)}),
 )
 class HierarchicalATCStrategy(DecentralStrategy):
     name = "hierarchical-atc"
@@ -165,7 +174,7 @@ class HierarchicalATCStrategy(DecentralStrategy):
         allreduce_every: int = 0, period: int = 1,
     ) -> None:  # fmt: skip
         where = f"{type(self).__name__}"
-        ae, h = _options(where, allreduce_every, period)
+        ae, h = allreduce_every, period
         ctx = current(where)
         if group.pg is not ctx.world.pg:
             raise InvalidArgumentError(
@@ -214,7 +223,9 @@ class GradientAllreduceStrategy(_WrapperStrategy):
 
 
 @register_strategy(
-    "winput", "BlueFog asynchronous win_put: put to neighbors in forward, combine arrivals, local step"
+    "winput",
+    "BlueFog asynchronous win_put: put to neighbors in forward, combine arrivals, local step",
+    Options({"topology": topology_option(STATIC_TOPOLOGIES, dynamic=False), "period": _PERIOD}),
 )
 class WinPutStrategy(_WrapperStrategy):
     name = "winput"
@@ -224,7 +235,7 @@ class WinPutStrategy(_WrapperStrategy):
         period: int = 1,
     ) -> None:  # fmt: skip
         where = f"{type(self).__name__}"
-        h = _check_int(where, "period", period, 1)
+        h = period
         topo = build_topology(where, topology, STATIC_TOPOLOGIES, group.size, 1, dynamic=False)
         assert isinstance(topo, Topology)
         opt = WinPutOptimizer(

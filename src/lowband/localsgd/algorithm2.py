@@ -259,8 +259,6 @@ def schedule_dreamddp(
     ``measure``: how Algorithm 2's tests measure a set's communication (``"span"``: Eq. 7's ``tau``
     recurrence, ``"sum"``: Eq. 10's sum; see the module docstring)."""
     check_period("schedule_dreamddp", H)
-    if not isinstance(fill_bubbles, bool):
-        raise InvalidArgumentError(f"schedule_dreamddp: fill_bubbles must be a bool, got {fill_bubbles!r}")
     sched = Schedule.from_sets(profile, dreamddp_sets(profile, H, measure=measure), "dreamddp")
     return _fill(profile, sched) if fill_bubbles else sched
 

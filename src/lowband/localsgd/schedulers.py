@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from lowband.errors import InvalidArgumentError
-from lowband.localsgd.algorithm2 import Sets, schedule_dreamddp
+from lowband.localsgd.algorithm2 import MEASURES, Sets, schedule_dreamddp
 from lowband.localsgd.costmodel import CostProfile, eq8_set_cost, iteration_time
 from lowband.localsgd.intervals import INTERVAL_OBJECTIVES, IntervalCosts
 from lowband.localsgd.schedule import Schedule, check_period
 from lowband.localsgd.search import schedule_dreamddp_ls
+from lowband.options import Opt, Options
 from lowband.registry import Registry
 
 SetCost = Callable[[CostProfile, Iterable[int]], float]
@@ -163,14 +164,28 @@ Scheduler = Callable[..., Schedule]
 
 #: name -> scheduler(profile, H, **keyword options)
 SCHEDULERS: Registry[Scheduler] = Registry("scheduler")
-SCHEDULERS.register("dreamddp", schedule_dreamddp, "DreamDDP's Algorithm 2, with bubble filling")
-SCHEDULERS.register("optimal", schedule_optimal, "the exact optimum over consecutive intervals")
-SCHEDULERS.register("bruteforce", schedule_bruteforce, "every cut enumerated (a check of optimal)")
+_OBJECTIVE = Opt(str, choices=sorted(INTERVAL_OBJECTIVES), doc="what the intervals minimise")
+_FILL = Opt(bool, doc="bubble filling after the partition")
+SCHEDULERS.register(
+    "dreamddp", schedule_dreamddp, "DreamDDP's Algorithm 2, with bubble filling",
+    Options({"fill_bubbles": _FILL, "measure": Opt(str, choices=MEASURES, doc="Eq. 7's span or Eq. 10's sum")}),
+)  # fmt: skip
+SCHEDULERS.register(
+    "optimal",
+    schedule_optimal,
+    "the exact optimum over consecutive intervals",
+    Options({"objective": _OBJECTIVE}),
+)
+SCHEDULERS.register(
+    "bruteforce", schedule_bruteforce, "every cut enumerated (a check of optimal)",
+    Options({"objective": _OBJECTIVE, "max_candidates": Opt(int, min=1, doc="refuse more cut vectors")}),
+)  # fmt: skip
 SCHEDULERS.register("enp", schedule_enp, "equal numbers of layers per iteration")
 SCHEDULERS.register("full", schedule_full, "every layer in the last iteration (FLSGD's one averaging)")
 SCHEDULERS.register(
-    "dreamddp-ls", schedule_dreamddp_ls, "Algorithm 2 refined by local search, then bubble filling"
-)
+    "dreamddp-ls", schedule_dreamddp_ls, "Algorithm 2 refined by local search, then bubble filling",
+    Options({"fill": _FILL, "max_passes": Opt(int, min=0, doc="local-search passes at most")}),
+)  # fmt: skip
 
 
 def scheduler_names() -> list[str]:
@@ -180,5 +195,4 @@ def scheduler_names() -> list[str]:
 def make_schedule(method: str, profile: CostProfile, H: int, **kw: Any) -> Schedule:
     """The schedule of the registered scheduler ``method`` (``SCHEDULERS``) for ``profile`` and period ``H``."""
     fn = SCHEDULERS.get(method, "make_schedule")
-    SCHEDULERS.check_options(method, kw, f"make_schedule({method!r})")
-    return fn(profile, H, **kw)
+    return fn(profile, H, **SCHEDULERS.check_options(method, kw, f"make_schedule({method!r})"))

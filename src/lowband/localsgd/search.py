@@ -93,8 +93,6 @@ def schedule_dreamddp_ls(
 ) -> Schedule:
     """Algorithm 2's partition, improved by :func:`refine_sets`, then bubble filling (``fill``)."""
     check_period("schedule_dreamddp_ls", H)
-    if not isinstance(fill, bool):
-        raise InvalidArgumentError(f"schedule_dreamddp_ls: fill must be a bool, got {fill!r}")
     sets = refine_sets(profile, dreamddp_sets(profile, H), max_passes=max_passes)
     sched = Schedule.from_sets(profile, sets, "dreamddp-ls")
     return fill_bubbles(profile, sched) if fill else sched

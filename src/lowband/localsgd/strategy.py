@@ -89,7 +89,7 @@ PARTIAL_SYNC_OPTIONS = Options(
         "reprofile_drift": Opt(float, min=0, doc="re-measure and re-schedule when the links drift by this fraction"),
         "divergence_every": Opt(int, min=0, unit="steps", doc="log the model divergence every that many steps"),
         "split": Opt(
-            int, min=0, words=("auto",), unit="bytes",
+            int, min=0, words=("auto",), what="a chunk size in bytes",
             doc="chunk size of the synchronisation units (0: whole layers; auto: chosen; None: the variant's)",
         ),
         "scheduler": Opt(str, choices=scheduler_names, doc="the make_schedule method (None: the variant's)"),

@@ -6,17 +6,26 @@ from __future__ import annotations
 
 from torch import nn
 
-from lowband.errors import InvalidArgumentError
 from lowband.optim.layerwise import parameter_layers
 from lowband.optim.reducer import Unit, bucket_units, layer_units, parameter_names
+from lowband.options import Opt, Options
+
+#: the options of every strategy that steps the whole model through these units (defaults: its own)
+BUCKET_OPTIONS = Options(
+    {
+        "bucket_mb": Opt(float, min=0, unit="MB", doc="gradient bucket size (0: one unit per layer)"),
+        "first_bucket_mb": Opt(
+            float, min=0, unit="MB", doc="the first bucket in backward order (0: bucket_mb), as DDP's"
+        ),
+    }
+)
 
 
 def check_bucket_mb(where: str, bucket_mb: object, first_bucket_mb: object) -> tuple[float, float]:
-    """Both sizes as floats (numbers >= 0), else :class:`InvalidArgumentError` naming ``where``."""
-    for what, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise InvalidArgumentError(f"{where}: {what} must be a number >= 0, got {v!r}")
-    return float(bucket_mb), float(first_bucket_mb)  # type: ignore[arg-type]
+    """Both sizes as floats (numbers >= 0, :data:`BUCKET_OPTIONS`), else :class:`InvalidArgumentError`
+    naming ``where``."""
+    got = BUCKET_OPTIONS.check(where, {"bucket_mb": bucket_mb, "first_bucket_mb": first_bucket_mb})
+    return got["bucket_mb"], got["first_bucket_mb"]
 
 
 def model_units(model: nn.Module, bucket_mb: float, first_bucket_mb: float = 1.0) -> list[Unit]:

@@ -27,12 +27,12 @@ from typing import Any
 
 from torch import nn
 
-from lowband.compress.base import check_option_types
 from lowband.compress.dgc import DGCMemory, check_optimizer
 from lowband.compress.reducer import CompressedReducer
-from lowband.compress.specs import build_reducer, describe_reducer
+from lowband.compress.specs import REDUCER_OPTIONS, build_reducer, describe_reducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.units import BUCKET_OPTIONS
 from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.stage import StageStrategy
@@ -120,6 +120,7 @@ class CompressedStrategy(StageStrategy):
     "compressed",
     "any registered compressor through any registered transport on the gradient stage "
     "(compressor=SPEC, reducer=auto|TRANSPORT, memory=residual|none|dgc, bucket_mb, seed)",
+    REDUCER_OPTIONS | BUCKET_OPTIONS,
 )
 def compressed(
     model: nn.Module,
@@ -134,12 +135,6 @@ def compressed(
     seed: int = 0,
 ) -> CompressedStrategy:
     where = f"strategy 'compressed' on rank {group.rank}"
-    check_option_types(
-        where,
-        compressed,
-        {"compressor": compressor, "reducer": reducer, "memory": memory, "bucket_mb": bucket_mb,
-         "first_bucket_mb": first_bucket_mb, "seed": seed},
-    )  # fmt: skip
     red = build_reducer(compressor, reducer, memory, seed=seed, where=where)
     return CompressedStrategy(
         model, make_optimizer, group, red, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb

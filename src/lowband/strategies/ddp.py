@@ -42,6 +42,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.nonfinite import NonFiniteGuard, snapshot
 from lowband.optim.scaling import GradUnscaler
+from lowband.options import Opt, Options
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.torchcomm import comm_errors
@@ -51,12 +52,21 @@ from lowband.strategies.torchcomm import comm_errors
 _TORCH_HOOKS: dict[str, Any] = {"none": None, "fp16": default_hooks.fp16_compress_hook}
 
 
-def _check_positive(cls: str, what: str, v: object, minimum: float = 1) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < minimum:
-        raise InvalidArgumentError(f"{cls}: {what} must be a number >= {minimum}, got {v!r}")
+_BUCKET_CAP = Opt(float, min=0.001, unit="MB", doc="DDP's bucket size (bucket_cap_mb)")
 
 
-@register_strategy("ddp", "S-SGD: torch DDP, bucketed allreduce overlapped with backward (WFBP)")
+@register_strategy(
+    "ddp",
+    "S-SGD: torch DDP, bucketed allreduce overlapped with backward (WFBP)",
+    Options(
+        {
+            "bucket_cap_mb": _BUCKET_CAP,
+            "hook": Opt(
+                str, choices=tuple(_TORCH_HOOKS), doc="torch's comm hook: none, or fp16_compress_hook"
+            ),
+        }
+    ),
+)
 class DDPStrategy(Strategy):
     name = "ddp"
     # fp16: torch's own path (module docstring): identical averaged gradients on every rank
@@ -72,11 +82,6 @@ class DDPStrategy(Strategy):
         bucket_cap_mb: float = 25.0,
         hook: str = "none",
     ) -> None:
-        _check_positive("DDPStrategy", "bucket_cap_mb", bucket_cap_mb, 0.001)
-        if hook not in _TORCH_HOOKS:
-            raise InvalidArgumentError(
-                f"DDPStrategy: hook must be one of {sorted(_TORCH_HOOKS)}, got {hook!r}"
-            )
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.hook = hook
         # DDP broadcasts rank 0's model itself (once: not when make_strategy is told broadcast_init=False)
@@ -196,7 +201,18 @@ _scaled_powersgd_hook.__annotations__ = {
 }
 
 
-@register_strategy("powersgd", "torch DDP with the PowerSGD comm hook (rank-r compression + error feedback)")
+@register_strategy(
+    "powersgd",
+    "torch DDP with the PowerSGD comm hook (rank-r compression + error feedback)",
+    Options(
+        {
+            "rank": Opt(int, min=1, doc="the rank of the low-rank approximation"),
+            # torch requires start_powerSGD_iter > 1 with error feedback / warm start
+            "start_iter": Opt(int, min=2, unit="steps", doc="plain allreduce before compression starts"),
+            "bucket_cap_mb": _BUCKET_CAP,
+        }
+    ),
+)
 class PowerSGDStrategy(DDPStrategy):
     name = "powersgd"
     # fp16: each bucket unscaled (zeroed on overflow) in the comm hook, the flag agreed before the step
@@ -213,9 +229,6 @@ class PowerSGDStrategy(DDPStrategy):
         start_iter: int = 10,
         bucket_cap_mb: float = 25.0,
     ) -> None:
-        _check_positive("PowerSGDStrategy", "rank", rank)
-        # torch requires start_powerSGD_iter > 1 with error feedback / warm start
-        _check_positive("PowerSGDStrategy", "start_iter", start_iter, 2)
         super().__init__(model, make_optimizer, group, bucket_cap_mb=bucket_cap_mb)
         self.rank, self.start_iter = int(rank), int(start_iter)
         self.state = psgd.PowerSGDState(

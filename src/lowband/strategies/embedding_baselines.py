@@ -39,7 +39,8 @@ from lowband.group import Group
 from lowband.nn.tied import refuse_tied
 from lowband.optim.reducer import AllreduceReducer, Unit, parameter_names
 from lowband.optim.stage import GradientStage
-from lowband.optim.units import check_bucket_mb
+from lowband.optim.units import BUCKET_OPTIONS
+from lowband.options import Opt, Options
 from lowband.sparse.rows import coalesce, embedding_tables, pack_rows, unpack_rows
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.ddp import DDPStrategy
@@ -99,7 +100,7 @@ class EmbeddingSyncStrategy(Strategy):
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, bucket_mb: float = 25.0
     ) -> None:
         where = type(self).__name__
-        self.bucket_mb, _ = check_bucket_mb(where, bucket_mb, 1.0)
+        self.bucket_mb = float(bucket_mb)
         refuse_sparse_tie(model, self.name, f"{where} on rank {group.rank}")
         broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
         self.tables = embedding_tables(model)
@@ -231,6 +232,7 @@ class EmbeddingSyncStrategy(Strategy):
 @register_strategy(
     "sparse-allgather",
     "coalesced sparse allgather of the embedding gradients (Horovod's way, coalesced) + dense allreduce",
+    Options({"bucket_mb": BUCKET_OPTIONS.opts["bucket_mb"]}),
 )
 class SparseAllgatherStrategy(EmbeddingSyncStrategy):
     """Module docstring. Bytes per rank per table and step: one allgather of
@@ -255,7 +257,9 @@ class SparseAllgatherStrategy(EmbeddingSyncStrategy):
 
 
 @register_strategy(
-    "ddp-sparse", "torch DDP with the embedding tables as sparse=True (torch's sparse gradient path)"
+    "ddp-sparse",
+    "torch DDP with the embedding tables as sparse=True (torch's sparse gradient path)",
+    Options({"bucket_cap_mb": Opt(float, min=0.001, unit="MB", doc="DDP's bucket size (bucket_cap_mb)")}),
 )
 class DDPSparseStrategy(DDPStrategy):
     """torch DDP with every ``nn.Embedding`` of the model switched to ``sparse=True`` (on the model

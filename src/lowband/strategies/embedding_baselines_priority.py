@@ -26,9 +26,9 @@ from torch import nn
 from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle
 from lowband.comm.initial import broadcast_initial_state
-from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.layerwise import LayerwiseOptimizer, layer_pre_hooks, parameter_layers
+from lowband.options import Opt, Options
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 
@@ -49,6 +49,7 @@ def chunk_views(grads: list[Tensor], chunk_bytes: int) -> list[Tensor]:
     "dense-priority",
     "dense allreduce in forward (priority) order, chunked (chunk_mb), overlapped with the next forward "
     "(BytePS/ByteScheduler's way)",
+    Options({"chunk_mb": Opt(float, gt=0, unit="MB", doc="the size of each allreduce chunk")}),
 )
 class DensePriorityStrategy(Strategy):
     """Module docstring."""
@@ -59,10 +60,6 @@ class DensePriorityStrategy(Strategy):
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, chunk_mb: float = 4.0
     ) -> None:
-        if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
-            raise InvalidArgumentError(
-                f"DensePriorityStrategy: chunk_mb must be a number > 0, got {chunk_mb!r}"
-            )
         self.chunk_mb = float(chunk_mb)
         broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP does
         self.fast = group.unchecked()

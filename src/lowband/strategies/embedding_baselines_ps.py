@@ -32,6 +32,8 @@ from torch import nn
 from lowband.comm.gather import allgather, alltoall
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.units import BUCKET_OPTIONS
+from lowband.options import Opt, Options
 from lowband.sparse.rows import PARTITIONS, RowPartition, coalesce, pack_rows, unpack_rows
 from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.embedding_baselines import EmbeddingSyncStrategy
@@ -43,6 +45,12 @@ Tensor = torch.Tensor
 @register_strategy(
     "embedding-ps",
     "embedding rows on colocated parameter servers (partition=range|modulo; Parallax's way) + dense allreduce",
+    Options(
+        {
+            "partition": Opt(str, choices=PARTITIONS, doc="which rank serves which rows"),
+            "bucket_mb": BUCKET_OPTIONS.opts["bucket_mb"],
+        }
+    ),
 )
 class EmbeddingPSStrategy(EmbeddingSyncStrategy):
     """Module docstring."""
@@ -58,10 +66,6 @@ class EmbeddingPSStrategy(EmbeddingSyncStrategy):
         partition: str = "modulo",
         bucket_mb: float = 25.0,
     ) -> None:
-        if partition not in PARTITIONS:
-            raise InvalidArgumentError(
-                f"EmbeddingPSStrategy on rank {group.rank}: partition must be one of {PARTITIONS}, got {partition!r}"
-            )
         self.partition = partition
         self.servers: dict[str, nn.Parameter] = {}
         self.parts: dict[str, RowPartition] = {}

@@ -48,6 +48,7 @@ from lowband.nn.tied import refuse_tied
 from lowband.optim.layerwise import parameter_layers
 from lowband.optim.reducer import AllreduceReducer, bucket_units, layer_units, parameter_names
 from lowband.optim.stage import GradientStage
+from lowband.options import Opt, Options, Rule
 from lowband.runtime import open_member_group, world_group
 from lowband.sparse.embedding import PartitionedEmbedding
 from lowband.sparse.lazy import lazy_optimizer
@@ -141,18 +142,6 @@ class EmbraceStrategy(Strategy):
         overlap: bool = False, bucket_mb: float = 0.0,
     ) -> None:  # fmt: skip
         where = f"strategy 'embrace' on rank {group.rank}"
-        if schedule not in SCHEDULES:
-            raise InvalidArgumentError(f"{where}: schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb < 0:
-            raise InvalidArgumentError(f"{where}: bucket_mb must be a number >= 0, got {bucket_mb!r}")
-        if not isinstance(overlap, bool) or (overlap and schedule not in ("vertical", "2d")):
-            raise InvalidArgumentError(
-                f"{where}: overlap must be a bool, and true only with schedule='vertical' or '2d'"
-            )
-        if bucket_mb and schedule in ("horizontal", "2d"):
-            raise InvalidArgumentError(
-                f"{where}: schedule={schedule!r} schedules the dense layers as blocks: bucket_mb must be 0"
-            )
         self.schedule, self.overlap, self.bucket_mb = schedule, overlap, float(bucket_mb)
         refuse_tied(
             model,
@@ -378,6 +367,29 @@ class EmbraceStrategy(Strategy):
     "embrace",
     "EmbRace: column-partitioned embedding tables (AlltoAll) + allreduced dense layers "
     "(schedule=hybrid|horizontal|vertical|2d, overlap, bucket_mb)",
+    Options(
+        {
+            "schedule": Opt(
+                str, choices=SCHEDULES, doc="how the tables' and dense layers' exchanges are ordered"
+            ),
+            "overlap": Opt(
+                bool, doc="the next step's table lookups prefetched during this one (vertical, 2d)"
+            ),
+            "bucket_mb": Opt(float, min=0, unit="MB", doc="dense gradient buckets (0: one per layer)"),
+        },
+        rules=[
+            Rule(
+                ("overlap", "schedule"),
+                "overlap=true only with schedule='vertical' or '2d'",
+                lambda o: not o["overlap"] or o["schedule"] in ("vertical", "2d"),
+            ),
+            Rule(
+                ("bucket_mb", "schedule"),
+                "schedule='horizontal' and '2d' schedule the dense layers as blocks: bucket_mb must be 0",
+                lambda o: not o["bucket_mb"] or o["schedule"] not in ("horizontal", "2d"),
+            ),
+        ],
+    ),
 )
 def embrace(
     model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, schedule: str = "hybrid",

@@ -13,14 +13,18 @@ from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.optim import PostLocalSGDOptimizer
 
-from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.options import Opt, Options
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.torchcomm import comm_errors
 
 
-@register_strategy("localsgd", "FLSGD: local SGD, all parameters averaged every H steps (torch PostLocalSGD)")
+@register_strategy(
+    "localsgd",
+    "FLSGD: local SGD, all parameters averaged every H steps (torch PostLocalSGD)",
+    Options({"period": Opt(int, min=1, unit="steps", doc="H: local steps between two averagings")}),
+)
 class LocalSGDStrategy(Strategy):
     """fp16: the local gradients are unscaled at the step and the ranks agree on inf/NaN first, so a
     skipped step (no averaging either) is skipped on every rank and torch's averager counts alike."""
@@ -36,8 +40,6 @@ class LocalSGDStrategy(Strategy):
         *,
         period: int = 5,
     ) -> None:
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise InvalidArgumentError(f"LocalSGDStrategy: period must be an int >= 1, got {period!r}")
         self.period = period
         # no warm-up: torch's warm-up expects DDP's post_localSGD_hook to allreduce meanwhile
         self.averager = PeriodicModelAverager(period=period, warmup_steps=0, process_group=group.pg)

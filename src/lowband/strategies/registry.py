@@ -12,6 +12,8 @@ from lowband.comm.initial import broadcast_initial_state, initial_broadcast_once
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.factory import as_optimizer_factory
+from lowband.optim.nonfinite import POLICIES
+from lowband.options import Opt, Options
 from lowband.registry import Registry, parse_spec
 from lowband.runtime import world_group
 from lowband.strategies.base import OptimizerFactory, Strategy
@@ -23,9 +25,38 @@ StrategyFactory = Callable[..., Strategy]
 STRATEGIES: Registry[StrategyFactory] = Registry("strategy")
 
 
-def register_strategy(name: str, description: str) -> Callable[[StrategyFactory], StrategyFactory]:
-    """Class/function decorator: ``factory(model, make_optimizer, group, **options) -> Strategy``."""
-    return STRATEGIES.registering(name, description)
+#: options every strategy takes, handled by :func:`make_strategy` itself (not passed to the factory)
+COMMON_OPTIONS = Options(
+    {
+        "on_nonfinite": Opt(
+            str, "raise", choices=POLICIES,
+            doc="a non-finite gradient raises, skips the step on every rank, or is not checked",
+        ),
+    }
+)  # fmt: skip
+
+
+def register_strategy(
+    name: str, description: str, options: Options | None = None
+) -> Callable[[StrategyFactory], StrategyFactory]:
+    """Class/function decorator: ``factory(model, make_optimizer, group, **options) -> Strategy``;
+    ``options`` declares every keyword-only parameter of the factory (:mod:`lowband.options`)."""
+    return STRATEGIES.registering(name, description, options)
+
+
+def check_strategy_options(
+    name: str, options: dict[str, Any], where: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(the factory's options, the common ones)`` of strategy ``name``, checked and converted by
+    their schemas (:data:`COMMON_OPTIONS` and the strategy's own); one error prefixed by ``where``,
+    which names the strategy."""
+    schema = STRATEGIES.options(name, where) | COMMON_OPTIONS
+    checked = schema.check(where, options)
+    common = set(COMMON_OPTIONS.names())
+    return (
+        {k: v for k, v in checked.items() if k not in common},
+        {k: v for k, v in checked.items() if k in common},
+    )
 
 
 def strategy_names() -> list[str]:
@@ -82,11 +113,12 @@ def make_strategy(
         g, "strategy configurations", config, where=f"{where} on rank {g.rank}",
         fix="give every rank the same strategy, options and model",
     )  # fmt: skip
-    factory = STRATEGIES.get(name)
-    STRATEGIES.check_options(name, options)
+    factory = STRATEGIES.get(name, where)
+    options, common = check_strategy_options(name, {**options, "on_nonfinite": on_nonfinite}, where)
+    on_nonfinite = common["on_nonfinite"]
     check_model_device(f"{where} on rank {g.rank}", model, ctx.device)
     make = as_optimizer_factory(make_optimizer, where, model.parameters())
-    if not isinstance(broadcast_init, bool):
+    if not isinstance(broadcast_init, bool):  # make_strategy's own argument, not a strategy option
         raise InvalidArgumentError(f"{where}: broadcast_init must be True or False, got {broadcast_init!r}")
     with initial_broadcast_once(broadcast_init):
         # the constructor broadcasts once its arguments are checked; if it did not, it happens here

@@ -19,10 +19,20 @@ from typing import Any
 
 from torch import nn
 
-from lowband.compress.gssgd import GsSGDReducer, GTopKReducer, SketchedSGDReducer, SketchingReducer
-from lowband.compress.sparse_update import SparseUpdateReducer
+from lowband.compress.gssgd import (
+    FEEDBACK_OPTIONS,
+    REDUCE_OPTIONS,
+    SKETCH_OPTIONS,
+    GsSGDReducer,
+    GTopKReducer,
+    SketchedSGDReducer,
+    SketchingReducer,
+)
+from lowband.compress.sparse_update import SPARSE_OPTIONS, SparseUpdateReducer
 from lowband.group import Group
 from lowband.optim.reducer import Reducer
+from lowband.optim.units import BUCKET_OPTIONS
+from lowband.options import Opt, Options
 from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.compressed import CompressedStrategy, compressed
 from lowband.strategies.registry import register_strategy
@@ -69,7 +79,9 @@ class SparseStageStrategy(StageStrategy):
 
 
 @register_strategy(
-    "gs-sgd", "gs-SGD: CountSketches summed over a halving/doubling tree, HEAVYMIX, exact top-k"
+    "gs-sgd",
+    "gs-SGD: CountSketches summed over a halving/doubling tree, HEAVYMIX, exact top-k",
+    SKETCH_OPTIONS | SPARSE_OPTIONS | REDUCE_OPTIONS | BUCKET_OPTIONS,
 )
 def gs_sgd(
     model: nn.Module,
@@ -100,7 +112,11 @@ def gs_sgd(
     )
 
 
-@register_strategy("sketched-sgd", "Sketched-SGD: CountSketches summed on rank 0, indices broadcast")
+@register_strategy(
+    "sketched-sgd",
+    "Sketched-SGD: CountSketches summed on rank 0, indices broadcast",
+    SKETCH_OPTIONS | SPARSE_OPTIONS | BUCKET_OPTIONS,
+)
 def sketched_sgd(
     model: nn.Module,
     make_optimizer: OptimizerFactory,
@@ -129,7 +145,11 @@ def sketched_sgd(
     )
 
 
-@register_strategy("gtopk", "gTop-k S-SGD: global top-k by merging (index, value) pairs up a tree, any P")
+@register_strategy(
+    "gtopk",
+    "gTop-k S-SGD: global top-k by merging (index, value) pairs up a tree, any P",
+    SPARSE_OPTIONS | FEEDBACK_OPTIONS | BUCKET_OPTIONS,
+)
 def gtopk(
     model: nn.Module,
     make_optimizer: OptimizerFactory,
@@ -155,7 +175,17 @@ def gtopk(
     )
 
 
-@register_strategy("topk-allgather", "top-k S-SGD: every rank's top-k pairs allgathered, error feedback")
+@register_strategy(
+    "topk-allgather",
+    "top-k S-SGD: every rank's top-k pairs allgathered, error feedback",
+    Options(
+        {
+            "density": Opt(float, gt=0, max=1, doc="the fraction of each unit each rank sends"),
+            "seed": Opt(int, doc="seeds the compressor's context"),
+        }
+    )
+    | BUCKET_OPTIONS,
+)
 def topk_allgather(
     model: nn.Module,
     make_optimizer: OptimizerFactory,

@@ -33,10 +33,12 @@ from lowband.compress.slimgc.backup import ModelBackup
 from lowband.compress.slimgc.executor import Executor
 from lowband.compress.slimgc.pipeline import SlimGCReducer
 from lowband.compress.slimgc.table import parse_comm_threshold
+from lowband.compress.specs import REDUCER_OPTIONS
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import Unit, parameter_names
 from lowband.optim.stage import GradientStage
+from lowband.options import Opt, Options, Rule
 from lowband.runtime import current, open_member_group
 from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.breakdown import ClockedStrategy, StepClock
@@ -78,13 +80,6 @@ class SlimGCStrategy(ClockedStrategy):
     ) -> None:
         where = f"{type(self).__name__} on rank {group.rank}"
         threshold = parse_comm_threshold(where, comm_threshold)
-        for what, v in (("offload", offload), ("backup", backup)):
-            if not isinstance(v, bool):
-                raise InvalidArgumentError(f"{where}: {what} must be true or false, got {v!r}")
-        if isinstance(fuse_mb, bool) or not isinstance(fuse_mb, (int, float)) or fuse_mb < 0:
-            raise InvalidArgumentError(f"{where}: fuse_mb must be a number >= 0, got {fuse_mb!r}")
-        if local_lr is not None and not backup:
-            raise InvalidArgumentError(f"{where}: local_lr is the model backup's; it needs backup=true")
         self.options = {
             "compressor": compressor, "reducer": reducer, "comm_threshold": comm_threshold,
             "pre_steps": pre_steps, "offload": offload, "backup": backup, "local_lr": local_lr,
@@ -225,6 +220,39 @@ class SlimGCStrategy(ClockedStrategy):
 @register_strategy(
     "slimgc",
     "SlimGC: compression with a measured communication threshold, asynchronous compression, model backup",
+    REDUCER_OPTIONS
+    | Options(
+        {
+            "comm_threshold": Opt(
+                float,
+                min=0,
+                finite=False,
+                words=("auto",),
+                unit="bytes",
+                doc="units of at least this size are compressed (auto: measured in the warm-up; inf: none)",
+            ),
+            "pre_steps": Opt(int, min=0, unit="steps", doc="the warm-up that measures comm_threshold=auto"),
+            "offload": Opt(bool, doc="compression on a helper thread, overlapped with the next step"),
+            "backup": Opt(
+                bool, doc="the model backup: a local step on the local gradient, corrected a step late"
+            ),
+            "local_lr": Opt(float, gt=0, doc="the backup's local step size (None: the optimizer's)"),
+            "fuse_mb": Opt(float, min=0, unit="MB", doc="small uncompressed units fused up to this size"),
+            "bestct_rule": Opt(str, choices=("paper", "stable"), doc="how the warm-up picks the threshold"),
+        },
+        rules=[
+            Rule(
+                ("comm_threshold", "pre_steps"),
+                "comm_threshold=auto needs pre_steps >= 2 (full-precision and compressed warm-up steps alternate)",
+                lambda o: o["comm_threshold"] != "auto" or o["pre_steps"] >= 2,
+            ),
+            Rule(
+                ("local_lr", "backup"),
+                "local_lr is the model backup's; it needs backup=true",
+                lambda o: o["local_lr"] is None or o["backup"],
+            ),
+        ],
+    ),
 )
 def slimgc(
     model: nn.Module,

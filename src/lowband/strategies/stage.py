@@ -17,7 +17,7 @@ from lowband.group import Group
 from lowband.optim.reducer import AllreduceReducer, Reducer
 from lowband.optim.scaling import GradUnscaler
 from lowband.optim.stage import GradientStage
-from lowband.optim.units import check_bucket_mb, model_units
+from lowband.optim.units import BUCKET_OPTIONS, model_units
 from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.breakdown import ClockedStrategy, StepClock
 from lowband.strategies.registry import register_strategy
@@ -45,7 +45,7 @@ class StageStrategy(ClockedStrategy):
         first_bucket_mb: float = 1.0,
     ) -> None:
         where = type(self).__name__
-        self.bucket_mb, self.first_bucket_mb = check_bucket_mb(where, bucket_mb, first_bucket_mb)
+        self.bucket_mb, self.first_bucket_mb = float(bucket_mb), float(first_bucket_mb)
         # start every replica from rank 0's parameters and buffers, as DDP does
         broadcast_initial_state(model, group=group)
         units = model_units(model, self.bucket_mb, self.first_bucket_mb)
@@ -89,7 +89,9 @@ class StageStrategy(ClockedStrategy):
         self.stage.remove_hooks()
 
 
-@register_strategy("stage", "S-SGD: the allreduce reducer on lowband's gradient stage (buckets, from hooks)")
+@register_strategy(
+    "stage", "S-SGD: the allreduce reducer on lowband's gradient stage (buckets, from hooks)", BUCKET_OPTIONS
+)
 def allreduce_stage(
     model: nn.Module,
     make_optimizer: OptimizerFactory,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lowband.errors import InvalidArgumentError
+from lowband.options import Opt
 from lowband.registry import Registry
 from lowband.topology.builders import exponential_two, fully_connected, ring
 from lowband.topology.dynamic import (
@@ -33,6 +34,14 @@ MACHINE_TOPOLOGIES = ("ring", "exp2", "dynamic-exp2", "full")
 STATIC_TOPOLOGIES = ("ring", "exp2", "full")
 
 
+def topology_option(allowed: tuple[str, ...], *, dynamic: bool = True) -> Opt:
+    """The option a topology argument is: a name of ``allowed``, a :class:`Topology` or (``dynamic``) a
+    :class:`DynamicTopology`; the strategies declare it (:mod:`lowband.options`), :func:`build_topology`
+    checks with it."""
+    kinds = (Topology, DynamicTopology) if dynamic else (Topology,)
+    return Opt(str, choices=allowed, objects=kinds, doc="the graph of the neighbor averaging")
+
+
 def build_topology(
     where: str,
     name: object,
@@ -53,11 +62,7 @@ def build_topology(
                 f"{where}: the topology given is over {name.size} ranks, the group has {size}"
             )
         return name
-    if not isinstance(name, str) or name not in allowed:
-        kinds = "a Topology, a DynamicTopology" if dynamic else "a Topology"
-        raise InvalidArgumentError(
-            f"{where}: topology must be {kinds} or one of {list(allowed)}, got {name!r}"
-        )
+    topology_option(allowed, dynamic=dynamic).convert(where, "topology", name)
     return TOPOLOGIES.get(name, where)(size, local_size)
 
 

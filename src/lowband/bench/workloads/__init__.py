@@ -33,8 +33,8 @@ name                    data, model                                           un
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from lowband.bench.workloads.base import (
@@ -53,22 +53,80 @@ from lowband.bench.workloads.vision import ImageWorkload
 from lowband.bench.workloads.wordgpt import WordGPTWorkload
 from lowband.bench.workloads.wordlm import WordLMWorkload
 from lowband.bench.workloads.wordlm_sampled import SampledWordLMWorkload
-from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options, Rule
 from lowband.registry import Registry
 
 #: name -> workload factory(**options)
 WORKLOADS: Registry[Callable[..., Workload]] = Registry("workload")
-WORKLOADS.register(
-    "fmnist-cnn", functools.partial(ImageWorkload, "cnn", "fmnist-cnn"), "CNN on Fashion-MNIST"
+
+
+def _size(doc: str, minimum: int = 1) -> Opt:
+    return Opt(int, min=minimum, doc=doc)
+
+
+_LR = Options({"lr": Opt(float, gt=0, doc="the default optimizer's learning rate")})
+_IMAGES = _LR | Options(
+    {
+        "dataset": Opt(str, doc="auto (Fashion-MNIST, else the digits), fmnist or digits"),
+        "data_dir": Opt(str, objects=(Path,), what="a folder", doc="Fashion-MNIST's idx.gz files"),
+    }
+)
+_GPT = _LR | Options(
+    {
+        "block_size": _size("tokens of context"),
+        "n_layer": _size("transformer blocks"),
+        "n_head": _size("attention heads"),
+        "n_embd": _size("embedding width (a multiple of n_head)"),
+    },
+    rules=[
+        Rule(
+            ("n_embd", "n_head"),
+            "n_embd must be a multiple of n_head",
+            lambda o: o["n_embd"] % o["n_head"] == 0,
+        )
+    ],
+)
+_WORDS = Options(
+    {
+        "vocab_size": _size("the most frequent words kept (the rest: <unk>)", 2),
+        "embed_dim": _size("embedding width"),
+        "context": _size("words of context"),
+        "hidden": _size("hidden width"),
+    }
 )
 WORKLOADS.register(
-    "fmnist-resnet", functools.partial(ImageWorkload, "resnet", "fmnist-resnet"), "ResNet on Fashion-MNIST"
+    "fmnist-cnn", functools.partial(ImageWorkload, "cnn", "fmnist-cnn"), "CNN on Fashion-MNIST", _IMAGES
 )
-WORKLOADS.register("shakespeare-gpt", CharLMWorkload, "character GPT on Shakespeare")
-WORKLOADS.register("wordlm", WordLMWorkload, "word-level language model")
-WORKLOADS.register("wordlm-sampled", SampledWordLMWorkload, "word LM trained with a sampled softmax")
-WORKLOADS.register("wordgpt", WordGPTWorkload, "word-level transformer with an untied input table")
-WORKLOADS.register("linreg", LinRegWorkload, "linear regression with a closed-form optimum")
+WORKLOADS.register(
+    "fmnist-resnet",
+    functools.partial(ImageWorkload, "resnet", "fmnist-resnet"),
+    "ResNet on Fashion-MNIST",
+    _IMAGES,
+)
+WORKLOADS.register("shakespeare-gpt", CharLMWorkload, "character GPT on Shakespeare", _GPT)
+WORKLOADS.register(
+    "wordlm", WordLMWorkload, "word-level language model",
+    _LR | _WORDS | Options({"tied": Opt(bool, doc="the output layer reads the input table")}),
+)  # fmt: skip
+WORKLOADS.register(
+    "wordlm-sampled", SampledWordLMWorkload, "word LM trained with a sampled softmax",
+    _LR | _WORDS | Options({"negatives": _size("sampled negatives per batch")}),
+)  # fmt: skip
+WORKLOADS.register(
+    "wordgpt", WordGPTWorkload, "word-level transformer with an untied input table",
+    _GPT | Options({"vocab_size": _WORDS.opts["vocab_size"]}),
+)  # fmt: skip
+WORKLOADS.register(
+    "linreg", LinRegWorkload, "linear regression with a closed-form optimum",
+    _LR | Options(
+        {
+            "dim": _size("features"),
+            "rows": _size("training rows"),
+            "test_rows": _size("held-out rows"),
+            "data_seed": Opt(int, min=0, doc="seeds the data set"),
+        }
+    ),
+)  # fmt: skip
 
 
 def workload_names() -> list[str]:
@@ -82,15 +140,7 @@ def get_workload(name: str, **options: Any) -> Workload:
     if is_spec(name):
         return load_workload(name, **options)
     factory = WORKLOADS.get(name)
-    signature = inspect.signature(factory)
-    try:
-        signature.bind(**options)
-    except TypeError as e:
-        accepted = ", ".join(signature.parameters)
-        raise InvalidArgumentError(
-            f"workload {name!r}: bad options {sorted(options)} ({e}); it accepts: {accepted}"
-        ) from e
-    return factory(**options)
+    return factory(**WORKLOADS.check_options(name, options))
 
 
 __all__ = [

@@ -81,9 +81,7 @@ class LinRegWorkload(DatasetWorkload):
     def __init__(
         self, *, dim: int = 64, rows: int = 8192, test_rows: int = 2048, data_seed: int = 0, lr: float = 0.02
     ) -> None:
-        check_int(self.name, "rows", rows, minimum=1)
-        check_int(self.name, "test_rows", test_rows, minimum=1)
-        self.default_lr = resolve_lr(self.name, lr, 0.02)
+        self.default_lr = float(lr)  # options checked by the workload's schema (get_workload)
         self.dim = dim
         a, b, self.w_star = linreg_data(data_seed, rows + test_rows, dim)
         self.train_a, self.train_b = a[:rows], b[:rows]

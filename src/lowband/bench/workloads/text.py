@@ -14,14 +14,12 @@ from torch import nn
 from lowband.bench.workloads.base import (
     Batch,
     DatasetWorkload,
-    check_int,
     count_params,
     resolve_lr,
     seeded_init,
     to_device,
 )
 from lowband.bench.workloads.shakespeare import TokenData, char_data
-from lowband.errors import InvalidArgumentError
 
 
 @dataclass(frozen=True)
@@ -138,18 +136,9 @@ class CharLMWorkload(DatasetWorkload):
         lr: float,
         tied: bool,
     ) -> None:
-        """Checks the shape, then loads the tokens with ``load``."""
+        """Loads the tokens with ``load`` (the shape was checked by the workload's schema, get_workload)."""
         self.name = name
-        for what, value in (
-            ("block_size", block_size),
-            ("n_layer", n_layer),
-            ("n_head", n_head),
-            ("n_embd", n_embd),
-        ):
-            check_int(self.name, what, value, minimum=1)
-        if n_embd % n_head:
-            raise InvalidArgumentError(f"{self.name}: n_embd {n_embd} is not a multiple of n_head {n_head}")
-        self.default_lr = resolve_lr(self.name, lr, self.default_lr)
+        self.default_lr = float(lr)
         self.data: TokenData = load()
         self.cfg = GPTConfig(len(self.data.vocab), block_size, n_layer, n_head, n_embd, tied)
         self.eval_items_per_sample = block_size

@@ -111,7 +111,7 @@ class ImageWorkload(DatasetWorkload):
                 f"image workload model {model!r} is unknown; choose one of {sorted(_MODELS)}"
             )
         self.name = name
-        self.default_lr = resolve_lr(name, lr, 0.02)
+        self.default_lr = float(lr)  # options checked by the workload's schema (get_workload)
         self.model_kind = model
         self.data: ImageData = load_images(dataset, data_dir)
 

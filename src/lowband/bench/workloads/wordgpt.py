@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from lowband.bench.workloads.base import Batch, check_int, resolve_lr
+from lowband.bench.workloads.base import Batch, resolve_lr
 from lowband.bench.workloads.shakespeare import word_data
 from lowband.bench.workloads.text import CharLMWorkload
 
@@ -41,7 +41,6 @@ class WordGPTWorkload(CharLMWorkload):
         n_embd: int = 128,
         lr: float = 0.02,
     ) -> None:
-        check_int("wordgpt", "vocab_size", vocab_size, minimum=2)
         load = functools.partial(word_data, vocab_size)
         self._setup("wordgpt", load, block_size, n_layer, n_head, n_embd, lr, tied=False)
 

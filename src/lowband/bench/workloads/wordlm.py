@@ -20,14 +20,12 @@ from torch import nn
 from lowband.bench.workloads.base import (
     Batch,
     DatasetWorkload,
-    check_int,
     count_params,
     resolve_lr,
     seeded_init,
     to_device,
 )
 from lowband.bench.workloads.shakespeare import TokenData, word_data
-from lowband.errors import InvalidArgumentError
 
 
 class WordLM(nn.Module):
@@ -68,8 +66,6 @@ class WordWindowWorkload(DatasetWorkload):
     unit = "tokens"
 
     def __init__(self, vocab_size: int, context: int) -> None:
-        check_int(self.name, "vocab_size", vocab_size, minimum=2)
-        check_int(self.name, "context", context, minimum=1)
         self.data: TokenData = word_data(vocab_size)
         self.context = context
 
@@ -124,12 +120,8 @@ class WordLMWorkload(WordWindowWorkload):
         tied: bool = False,
         lr: float = 1e-2,
     ) -> None:
-        for what, value in (("embed_dim", embed_dim), ("hidden", hidden)):
-            check_int(self.name, what, value, minimum=1)
-        if not isinstance(tied, bool):
-            raise InvalidArgumentError(f"{self.name}: tied must be a bool, got {tied!r}")
-        super().__init__(vocab_size, context)
-        self.default_lr = resolve_lr(self.name, lr, 1e-2)
+        super().__init__(vocab_size, context)  # options checked by the workload's schema (get_workload)
+        self.default_lr = float(lr)
         self._shape = (self.vocab_size, embed_dim, context, hidden, tied)
 
     def _new_model(self) -> WordLM:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowband.bench.workloads.base import Batch, check_int, count_params, resolve_lr, seeded_init, to_device
+from lowband.bench.workloads.base import Batch, count_params, resolve_lr, seeded_init, to_device
 from lowband.bench.workloads.sampled_softmax import draw_negatives, negatives_generator, sampled_softmax_loss
 from lowband.bench.workloads.wordlm import WordWindowWorkload
 
@@ -82,10 +82,8 @@ class SampledWordLMWorkload(WordWindowWorkload):
         negatives: int = 512,
         lr: float = 0.5,
     ) -> None:
-        for what, value in (("embed_dim", embed_dim), ("hidden", hidden), ("negatives", negatives)):
-            check_int(self.name, what, value, minimum=1)
-        super().__init__(vocab_size, context)
-        self.default_lr = resolve_lr(self.name, lr, 0.5)
+        super().__init__(vocab_size, context)  # options checked by the workload's schema (get_workload)
+        self.default_lr = float(lr)
         self.num_negatives = negatives
         self._shape = (self.vocab_size, embed_dim, context, hidden)
 

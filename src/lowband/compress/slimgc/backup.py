@@ -45,12 +45,6 @@ class ModelBackup:
         *,
         local_lr: float | None = None,
     ) -> None:
-        if local_lr is not None and (
-            isinstance(local_lr, bool) or not isinstance(local_lr, (int, float)) or not local_lr > 0
-        ):
-            raise InvalidArgumentError(
-                f"ModelBackup: local_lr must be a number > 0 or None, got {local_lr!r}"
-            )
         self.params = list(params)
         #: the global weights w(i) (the same on every rank)
         self.weights = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in self.params]

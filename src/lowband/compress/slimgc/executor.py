@@ -44,8 +44,6 @@ class Executor:
     docstring. ``timeout`` bounds every wait (seconds)."""
 
     def __init__(self, *, offload: bool, timeout: float, where: str = "Executor") -> None:
-        if not isinstance(offload, bool):
-            raise InvalidArgumentError(f"{where}: offload must be a bool, got {offload!r}")
         self.offload = offload
         self.timeout = float(timeout)
         self.where = where

@@ -95,19 +95,9 @@ class SlimGCReducer(Reducer):
         copy_grads: bool,
         bestct_rule: str = "stable",
     ) -> None:
-        where = type(self).__name__
-        if bestct_rule not in ("paper", "stable"):
-            raise InvalidArgumentError(
-                f"{where}: bestct_rule must be 'paper' or 'stable', got {bestct_rule!r}"
-            )
+        # the options are the slimgc strategy's, checked by its schema (bestct_rule, pre_steps >= 2 for
+        # a measured threshold)
         self.bestct_rule = bestct_rule
-        if threshold is None and (
-            isinstance(pre_steps, bool) or not isinstance(pre_steps, int) or pre_steps < 2
-        ):
-            raise InvalidArgumentError(
-                f"{where}: comm_threshold=auto needs pre_steps >= 2 (full-precision and compressed warm-up "
-                f"steps alternate), got {pre_steps!r}"
-            )
         self.inner = inner
         self.units = list(units)
         self.sizes = [u.nbytes() for u in self.units]
