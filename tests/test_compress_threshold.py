@@ -1,7 +1,8 @@
-"""MXNet's 1-bit / 2-bit threshold quantizers (compress.threshold) against an independent per-element
-reference written from MXNet's kvstore source (gradient_compression-inl.h: quantize_1bit,
-dequantize_1bit, quantize_2bit, dequantize_2bit): codes, bit layout, decode and the residual sequence
-(lowband's ResidualMemory beside the quantizer), ties, sizes, the batch scale and the argument checks."""
+"""MXNet's 1-bit / 2-bit threshold quantizers (compress.threshold, ``threshold_mode="absolute"``) against
+an independent per-element reference written from MXNet's kvstore source (gradient_compression-inl.h:
+quantize_1bit, dequantize_1bit, quantize_2bit, dequantize_2bit): codes, bit layout, decode and the
+residual sequence (lowband's ResidualMemory beside the quantizer), ties, sizes, the batch scale and the
+argument checks. The default relative mode: tests/test_compress_threshold_relative.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from lowband.compress.threshold import OneBit, TwoBit
 from lowband.errors import InvalidArgumentError
 
 CTX = CompressContext("layer.weight", step=0)
+ABS = "absolute"  # MXNet's units (the default is relative)
 SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 33]
 
 
@@ -68,7 +70,9 @@ def run_sequence(
     """lowband (compensate + compress + decompress + update) against MXNet's kernel, step by step; with
     ``split`` the unit holds two parameters ("w" and "b"), whose memories are kept by name."""
     n = grads[0].size
-    comp = make_compressor("onebit" if kind == "1bit" else "twobit", threshold=threshold, scale=scale)
+    comp = make_compressor(
+        "onebit" if kind == "1bit" else "twobit", threshold=threshold, scale=scale, threshold_mode="absolute"
+    )
     mem = ResidualMemory()
     segs: tuple[tuple[str, int], ...] = (("w", n),) if split is None else (("w", split), ("b", n - split))
     mx_residual = np.zeros(n, dtype=np.float32)
@@ -130,13 +134,13 @@ def test_ties_exactly_at_the_threshold() -> None:
     )
     below = float(np.nextafter(np.float32(t), np.float32(0)))
     g = torch.tensor([t, -t, 0.0, -0.0, up, down, below])
-    two = TwoBit(threshold=t)
+    two = TwoBit(threshold=t, threshold_mode=ABS)
     # 2-bit: >= t and <= -t are sent; 0 and values inside stay 00
     assert two.decompress(two.compress(g, CTX), CTX).tolist() == [t, -t, 0, 0, t, -t, 0]
-    one = OneBit(threshold=t)
+    one = OneBit(threshold=t, threshold_mode=ABS)
     # 1-bit: strictly above t is 1 (+1), anything else 0 (-1), ties included
     assert one.decompress(one.compress(g, CTX), CTX).tolist() == [-1, -1, -1, -1, 1, -1, -1]
-    assert OneBit(threshold=0.0).decompress(OneBit(threshold=0.0).compress(g, CTX), CTX).tolist() == [
+    assert OneBit(threshold=0.0, threshold_mode=ABS).decompress(OneBit(threshold=0.0, threshold_mode=ABS).compress(g, CTX), CTX).tolist() == [
         1, -1, -1, -1, 1, -1, 1,
     ]  # fmt: skip
     run_sequence("1bit", t, [g.numpy(), g.numpy()])
@@ -146,7 +150,7 @@ def test_ties_exactly_at_the_threshold() -> None:
 def test_mxnet_residual_walkthrough() -> None:
     """MXNet's own residual test for 2-bit (push 0.4, then t - 0.3, 0.2, t - 0.3 with t = 0.5): nothing,
     then +t, nothing, then +t, and the residual back to 0; and its 1-bit one (push 2, 0, -2)."""
-    two, mem, segs = TwoBit(threshold=0.5), ResidualMemory(), (("w", 3),)
+    two, mem, segs = TwoBit(threshold=0.5, threshold_mode=ABS), ResidualMemory(), (("w", 3),)
     sent = []
     for v in (0.4, 0.5 - 0.3, 0.2, 0.5 - 0.3):
         p = mem.compensate(segs, torch.full((3,), v))
@@ -155,7 +159,7 @@ def test_mxnet_residual_walkthrough() -> None:
         sent.append(float(d[0]))
     assert sent == [0.0, 0.5, 0.0, 0.5]
     assert torch.allclose(mem.tensors["w"], torch.zeros(3), atol=1e-7)
-    one, mem = OneBit(threshold=0.5), ResidualMemory()
+    one, mem = OneBit(threshold=0.5, threshold_mode=ABS), ResidualMemory()
     sent = []
     for v in (2.0, 0.0, -2.0):
         p = mem.compensate(segs, torch.full((3,), v))
@@ -168,7 +172,7 @@ def test_mxnet_residual_walkthrough() -> None:
 
 def test_twobit_decodes_every_code_as_mxnet() -> None:
     """01 is never written but decodes to 0, as in dequantize_2bit (neither mask matches); zeros are +0."""
-    two = TwoBit(threshold=0.5)
+    two = TwoBit(threshold=0.5, threshold_mode=ABS)
     payload = Payload((torch.tensor([0b01_11_10_00], dtype=torch.uint8),), 4, torch.float32)
     d = two.decompress(payload, CTX)
     assert d.tolist() == [0.0, 0.5, -0.5, 0.0]
@@ -187,9 +191,9 @@ def test_batch_scale_power_of_two_is_mxnet_on_the_summed_gradient(kind: str) -> 
 
 def test_batch_scale_decodes_in_averaged_units() -> None:
     x = torch.tensor([0.2, -0.2, 0.01])
-    two = TwoBit(threshold=0.5, scale=3.0)
+    two = TwoBit(threshold=0.5, scale=3.0, threshold_mode=ABS)
     assert torch.allclose(two.decompress(two.compress(x, CTX), CTX), torch.tensor([0.5, -0.5, 0.0]) / 3)
-    one = OneBit(threshold=0.5, scale=4.0)
+    one = OneBit(threshold=0.5, scale=4.0, threshold_mode=ABS)
     assert one.decompress(one.compress(x, CTX), CTX).tolist() == [0.25, -0.25, -0.25]
 
 
@@ -197,7 +201,7 @@ def test_batch_scale_decodes_in_averaged_units() -> None:
 @pytest.mark.parametrize("name", ["onebit", "twobit"])
 def test_dtypes(name: str, dtype: torch.dtype) -> None:
     x = torch.tensor([0.7, -0.7, 0.1, 0.5, -0.5], dtype=dtype)
-    c = make_compressor(name)
+    c = make_compressor(name, threshold_mode=ABS)
     d = c.decompress(c.compress(x, CTX), CTX)
     assert d.dtype == dtype and d.shape == x.shape
     want = [1, -1, -1, -1, -1] if name == "onebit" else [0.5, -0.5, 0, 0.5, -0.5]
@@ -213,9 +217,13 @@ def test_non_finite_input_is_a_clear_error(name: str, bad: float) -> None:
 
 
 def test_option_checks_and_specs() -> None:
-    c = make_compressor("twobit:threshold=0.25,scale=64")
-    assert isinstance(c, TwoBit) and c.options() == {"threshold": 0.25, "scale": 64.0}
-    assert make_compressor("onebit").options() == {"threshold": 0.5, "scale": 1.0}
+    c = make_compressor("twobit:threshold=0.25,scale=64,threshold_mode=absolute")
+    assert isinstance(c, TwoBit) and c.options() == {"threshold": 0.25, "scale": 64.0, "threshold_mode": ABS}
+    assert make_compressor("onebit").options() == {
+        "threshold": 0.5,
+        "scale": 1.0,
+        "threshold_mode": "relative",
+    }
     assert make_compressor("onebit:threshold=-0.5").options()["threshold"] == -0.5  # allowed, as in MXNet
     assert OneBit(threshold=0.1).threshold == float(np.float32(0.1))  # a C float, as MXNet's
     with pytest.raises(InvalidArgumentError, match=r"threshold must be a number > 0, got 0\.0"):
@@ -230,6 +238,8 @@ def test_option_checks_and_specs() -> None:
         make_compressor("twobit:levels=3")
     with pytest.raises(InvalidArgumentError, match="flat"):
         OneBit().compress(torch.zeros(2, 2), CTX)
-    with pytest.raises(InvalidArgumentError, match="one tensor"):
-        payload = TwoBit().compress(torch.zeros(5), CTX)
-        TwoBit().decompress(type(payload)((*payload.data, payload.data[0]), 5, torch.float32), CTX)
+    with pytest.raises(InvalidArgumentError, match="a payload of 1 tensor"):
+        payload = TwoBit(threshold_mode=ABS).compress(torch.zeros(5), CTX)
+        TwoBit(threshold_mode=ABS).decompress(
+            type(payload)((*payload.data, payload.data[0]), 5, torch.float32), CTX
+        )

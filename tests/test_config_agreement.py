@@ -171,7 +171,7 @@ def test_config_is_pure_and_complete() -> None:
 
     cfg = strategy_config("slimgc", STRATEGIES.get("slimgc"), {"comm_threshold": 0}, _mlp())
     assert cfg["strategy"] == "'slimgc'"
-    assert cfg["option 'compressor'"] == "onebit:scale=1.0;threshold=0.5"
+    assert cfg["option 'compressor'"] == "onebit:scale=1.0;threshold=0.5;threshold_mode='relative'"
     assert cfg["option 'comm_threshold'"] == "0" and cfg["option 'pre_steps'"] == "10"
     lay = model_layout(_Emb(tied=True))
     assert lay["tied parameters"] == "dec.weight = emb.weight"

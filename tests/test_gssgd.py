@@ -96,6 +96,9 @@ GS_CASES = [
     ("gs-sgd", {"density": 0.2, "rows": 3, "cols": 8}),
     ("gs-sgd", {"density": 0.2, "rows": 3, "cols": 8, "reduce": "allreduce"}),
     ("gs-sgd", {"k": 7, "recovery": "topk", "oversample": 2.0}),
+    ("gs-sgd", {"density": 0.2, "rows": 3, "cols": 8, "recovery": "heavymix"}),  # the paper's recovery
+    ("gs-sgd", {"k": 7, "recovery": "heavymix", "oversample": 2.0, "reduce": "allreduce"}),
+    ("sketched-sgd", {"density": 0.2, "rows": 3, "cols": 8, "recovery": "heavymix"}),
     ("gs-sgd", {"k": 9, "rows": 1, "cols": 5}),
     ("sketched-sgd", {"density": 0.2, "rows": 3, "cols": 8}),
     ("sketched-sgd", {"k": 7, "oversample": 3.0}),

@@ -93,6 +93,7 @@ def _whole_and_resumed(name: str, opts: dict[str, Any]) -> tuple[torch.Tensor, t
 
 RESUME = [
     ("gs-sgd", {"density": 0.2, "rows": 3, "cols": 6}),
+    ("gs-sgd", {"density": 0.2, "rows": 3, "cols": 6, "recovery": "heavymix"}),  # its fill's seed resumes
     (
         "gs-sgd",
         {"k": 9, "reduce": "allreduce", "oversample": 2.0, "bucket_mb": 0.0001, "first_bucket_mb": 0.0001},

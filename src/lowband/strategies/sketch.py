@@ -80,7 +80,7 @@ class SparseStageStrategy(StageStrategy):
 
 @register_strategy(
     "gs-sgd",
-    "gs-SGD: CountSketches summed over a halving/doubling tree, HEAVYMIX, exact top-k",
+    "gs-SGD: CountSketches summed over a halving/doubling tree, top-k recovery (or HEAVYMIX), exact values",
     SKETCH_OPTIONS | SPARSE_OPTIONS | REDUCE_OPTIONS | BUCKET_OPTIONS,
 )
 def gs_sgd(
@@ -92,7 +92,7 @@ def gs_sgd(
     cols: int = 0,
     density: float = 0.01,
     k: int = 0,
-    recovery: str = "heavymix",
+    recovery: str = "topk",
     oversample: float = 1.0,
     reduce: str = "tree",
     momentum: float = 0.0,
@@ -126,7 +126,7 @@ def sketched_sgd(
     cols: int = 0,
     density: float = 0.01,
     k: int = 0,
-    recovery: str = "heavymix",
+    recovery: str = "topk",
     oversample: float = 1.0,
     momentum: float = 0.0,
     masking: bool = False,
