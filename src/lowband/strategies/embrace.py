@@ -33,7 +33,7 @@ on an NCCL group, which share the data group (:func:`table_channel`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -131,6 +131,18 @@ def partition_tables(model: nn.Module, group: Group) -> dict[str, PartitionedEmb
     return tables
 
 
+def _calls(where: str, name: str, ids: object) -> list[torch.Tensor]:
+    """A table's lookahead ids as the list of its calls' ids (one tensor: one call)."""
+    if isinstance(ids, torch.Tensor):
+        return [ids]
+    if isinstance(ids, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in ids):
+        return list(ids)
+    raise InvalidArgumentError(
+        f"{where}: lookahead ids of table {name!r} must be a tensor or a list of tensors (one per call), "
+        f"got {type(ids).__name__}"
+    )
+
+
 class EmbraceStrategy(Strategy):
     """Column-partitioned tables + allreduced dense parameters (module docstring)."""
 
@@ -212,24 +224,35 @@ class EmbraceStrategy(Strategy):
             self.optimizer.zero_grad(set_to_none=True)
         self.table_optimizer.zero_grad(set_to_none=True)
 
-    def lookahead(self, ids: Mapping[str, torch.Tensor]) -> None:
+    def lookahead(self, ids: Mapping[str, torch.Tensor | Sequence[torch.Tensor]]) -> None:
         """With ``schedule=horizontal|2d``: the ids each table (by module name) is called on in the next
         step, known one step ahead (the paper prefetches its data): their lookups and all-to-alls are
-        issued now, ahead of the next dense forward. Call it after :meth:`step` (``train_step``), on
-        every rank alike; ignored by the other schedules."""
+        issued now, ahead of the next dense forward. ``ids[name]`` is the ids of the table's next call,
+        or a sequence of them, one per call in the order the forward makes them (a model that reads a
+        table twice per forward). Call it after :meth:`step` (``train_step``), on every rank alike;
+        ignored by the other schedules. A lookup prefetched by the last call and not read by the step
+        since is refused (the forward called that table fewer times)."""
         if self.blocks is None:
             return
+        where = f"strategy 'embrace' on rank {self.group.rank}"
         unknown = sorted(set(ids) - set(self.tables))
         if unknown:
             raise InvalidArgumentError(
-                f"strategy 'embrace' on rank {self.group.rank}: lookahead ids for {unknown}, which are not "
-                f"embedding tables of the model (tables: {sorted(self.tables)})"
+                f"{where}: lookahead ids for {unknown}, which are not embedding tables of the model "
+                f"(tables: {sorted(self.tables)})"
+            )
+        calls = {name: _calls(where, name, v) for name, v in ids.items()}
+        unread = {n: t.prefetched for n, t in self.tables.items() if t.prefetched}
+        if unread:
+            raise InvalidArgumentError(
+                f"{where}: lookups prefetched by the last lookahead were not read by the step "
+                f"({unread}: the forward called those tables fewer times): give one ids tensor per call"
             )
         if self.vertical is not None:
             self.vertical.drain()
-        for name, table in self.tables.items():  # model order: the same on every rank
-            if name in ids:
-                table.prefetch(ids[name])
+        for name, table in self.tables.items():  # model order, then call order: the same on every rank
+            for one in calls.get(name, ()):
+                table.prefetch(one)
 
     def train_step(self, loss_fn: Any) -> float:
         if self.vertical is not None:
