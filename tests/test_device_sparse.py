@@ -26,7 +26,7 @@ from torch import nn
 
 import lowband
 import lowband.bench.embedding_ops
-from lowband.bench.collectives import _OPS
+from lowband.bench.collectives import COLLECTIVES
 from lowband.runtime import current, world_group
 from lowband.sparse.embedding import PartitionedEmbedding
 from lowband.sparse.exchange import mask_counts, sum_blocks
@@ -238,7 +238,7 @@ def _bench_ops(meta: bool) -> list[torch.Tensor]:
         ("emb_ps", {"density": 0.2, "dim": 4, "partition": "range"}),
         ("emb_ps", {"density": 0.2, "dim": 4, "partition": "modulo"}),
     ):
-        fn = _OPS[op][0](group, opts)
+        fn = COLLECTIVES.get(op)(group, **opts)
         buf = torch.arange(4 * 40, dtype=torch.float32, device="cpu")
         with _meta(meta):
             for step in range(2):

@@ -360,17 +360,17 @@ def test_registry_and_bad_options(tmp_path: Any) -> None:
     wrong = CostProfile.from_lists([1e-3], [1e-3], [1e-3], names=["nope"])
     partial = Schedule(2, ((0,), (1,)), "hand", 0.0, (0.0, 0.0))  # layers 2, 3 never averaged
     cases: list[tuple[dict[str, Any], str]] = [
-        ({"period": 0}, "period must be an int >= 1, got 0"),
-        ({"period": "3"}, "period must be an int >= 1, got '3'"),
-        ({"period": True}, "period must be an int >= 1, got True"),
+        ({"period": 0}, "period must be an int >= 1 or None, got 0"),
+        ({"period": 2.5}, "period must be an int >= 1 or None, got 2.5"),
+        ({"period": True}, "period must be an int >= 1 or None, got True"),
         ({"reprofile_drift": -0.1}, "reprofile_drift must be a number >= 0, got -0.1"),
         ({"divergence_every": -1}, "divergence_every must be an int >= 0, got -1"),
-        ({"profile": 3}, "profile must be a JSON path or a CostProfile, got int"),
+        ({"profile": 3}, "profile must be a JSON path or a Path or a CostProfile or None, got 3"),
         ({"profile": str(tmp_path / "nodir" / "missing.json")}, "cannot read a profile"),
         ({"profile": str(bad_json)}, "cannot read a profile"),
         ({"profile": wrong}, "the profile's layers ['nope'] are not the model's layers"),
-        ({"schedule": "x"}, "schedule must be a Schedule, got str"),
-        ({"schedule": partial, "period": 3}, "period=3 but the schedule's period is 2"),
+        ({"schedule": "x"}, "schedule must be a Schedule or None, got 'x'"),
+        ({"schedule": partial, "period": 3}, "period must be the schedule's period (got period=3, schedule=a Schedule)"),
         ({"schedule": partial}, "never averaged"),
         ({"schedule": Schedule(4, (*HAND, ()), "h", 0.0, (0.0,) * 4), "reprofile_drift": 0.5},
          "re-schedules from a profile"),

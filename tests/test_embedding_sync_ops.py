@@ -79,7 +79,7 @@ def test_options_are_checked() -> None:
             ("emb_allgather:density=2", "density"),
             ("emb_alltoall:dim=1", "dim=1"),
             ("emb_ps:partition=hash", "partition"),
-            ("emb_ps:colour=red", "unknown options"),
+            ("emb_ps:colour=red", r"collective 'emb_ps': unknown option\(s\) \['colour'\]"),
         ):
             with pytest.raises(lowband.InvalidArgumentError, match=match):
                 build_ops([bad], g)

@@ -185,6 +185,6 @@ def test_make_strategy_converts_and_refuses_with_the_schema() -> None:
             make_strategy("localsgd", nn.Linear(2, 1), lambda ps: torch.optim.SGD(ps, lr=0.1), period=0)
         return period, str(info.value)
 
-    for period, msg in run_threads(body, 2, timeout=60):
+    for rank, (period, msg) in enumerate(run_threads(body, 2, timeout=60)):
         assert period == 3 and type(period) is int
-        assert msg == "make_strategy('localsgd'): period must be an int >= 1, got 0"
+        assert msg == f"make_strategy('localsgd') on rank {rank}: period must be an int >= 1, got 0"

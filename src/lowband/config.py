@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
 from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_FUSION_THRESHOLD = 64 * 1024 * 1024
+
+#: :func:`lowband.init`'s settings (:class:`Config`), checked by :mod:`lowband.options`
+SETTINGS = Options(
+    {
+        "timeout": Opt(float, DEFAULT_TIMEOUT_S, gt=0, finite=False, unit="seconds", doc="any wait's bound"),
+        "check": Opt(bool, True, doc="collective arguments checked across ranks before each op"),
+        "fusion_threshold": Opt(
+            float, DEFAULT_FUSION_THRESHOLD, min=0, what="a number of bytes", doc="per fusion buffer (0: off)"
+        ),
+        "trace": Opt(bool, False, doc="byte counters and a timeline of every op"),
+    }
+)
 
 
 def _env_float(name: str, default: float) -> float:
@@ -50,12 +64,7 @@ class Config:
     trace: bool = False
 
     def __post_init__(self) -> None:
-        if not self.timeout > 0:
-            raise InvalidArgumentError(f"lowband.init: timeout must be > 0 seconds, got {self.timeout}")
-        if self.fusion_threshold < 0:
-            raise InvalidArgumentError(
-                f"lowband.init: fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}"
-            )
+        SETTINGS.check("lowband.init", dataclasses.asdict(self))
 
     @classmethod
     def from_env(

@@ -270,7 +270,7 @@ class Options:
         every = {**self.defaults(), **out}
         for rule in self.rules:
             if not rule.holds(every):
-                got = ", ".join(f"{k}={every.get(k)!r}" for k in rule.keys)
+                got = ", ".join(f"{k}={_short(every.get(k))}" for k in rule.keys)
                 raise InvalidArgumentError(f"{where}: {rule.doc} (got {got})")
         return out
 
@@ -290,6 +290,12 @@ class Options:
 
     def __repr__(self) -> str:
         return f"Options({self.describe()})"
+
+
+def _short(v: Any) -> str:
+    """A value in a message: its repr when plain, else its type (a Schedule, a Topology)."""
+    plain = v is None or isinstance(v, (bool, int, float, str))
+    return repr(v) if plain else f"a {type(v).__name__}"
 
 
 def _show(v: Any) -> str:

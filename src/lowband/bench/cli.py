@@ -224,11 +224,10 @@ def _bench(ns: argparse.Namespace) -> int:
         for line in COMMON_OPTIONS.help():
             print(f"      {line}")
         _list_compression()
-        from lowband.bench.collectives import _OPS
+        from lowband.bench.collectives import COLLECTIVES
 
-        print("collectives (for --collectives):")
-        for k, (_, d) in sorted(_OPS.items()):
-            print(f"  {k:32s} {d}")
+        print("collectives (--collectives NAME[:key=value,...]):")
+        _list(COLLECTIVES)
         return 0
     cfg = config_from_args(ns, "bench")
     if ns.sweep_rates or ns.sweep_world_sizes:

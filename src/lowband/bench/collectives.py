@@ -8,8 +8,10 @@ ratio to the first op (normally ``allreduce``).
 
 Ops are specs like strategies: ``allreduce``, ``neighbor_allreduce:topology=ring``,
 ``neighbor_allreduce:topology=exp2``, ``neighbor_allreduce:topology=dynamic-exp2`` (one peer per
-step, the paper's dynamic exponential-2), ``hierarchical_neighbor_allreduce``. Argument checks are off
-(``Group.unchecked``, ``check_topology=False``): this measures the transport, not the checks.
+step, the paper's dynamic exponential-2), ``hierarchical_neighbor_allreduce``; each op is registered in
+:data:`COLLECTIVES` with its options' schema (:mod:`lowband.options`), checked before anything starts.
+Argument checks are off (``Group.unchecked``, ``check_topology=False``): this measures the transport,
+not the checks.
 """
 
 from __future__ import annotations
@@ -25,52 +27,54 @@ import torch
 import lowband
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.options import Options
+from lowband.registry import Registry
 from lowband.topology import DynamicTopology
+from lowband.topology.names import MACHINE_TOPOLOGIES, topology_option
 
 OpFn = Callable[[torch.Tensor, int], None]
-OpFactory = Callable[[Group, dict[str, Any]], OpFn]
+#: ``factory(group, **options) -> op``
+OpFactory = Callable[..., OpFn]
 
-_OPS: dict[str, tuple[OpFactory, str]] = {}
+#: every op of ``lowband bench --collectives``
+COLLECTIVES: Registry[OpFactory] = Registry("collective")
 
 
-def register_collective(name: str, description: str) -> Callable[[OpFactory], OpFactory]:
-    def deco(f: OpFactory) -> OpFactory:
-        _OPS[name] = (f, description)
-        return f
-
-    return deco
+def register_collective(
+    name: str, description: str, options: Options | None = None
+) -> Callable[[OpFactory], OpFactory]:
+    """Decorator: ``factory(group, **options) -> op``; ``options`` declares its keyword-only parameters."""
+    return COLLECTIVES.registering(name, description, options)
 
 
 def collective_names() -> list[str]:
-    return sorted(_OPS)
+    return COLLECTIVES.names()
 
 
 def _topology(name: str, size: int, step: int) -> Any:
-    from lowband.topology.names import MACHINE_TOPOLOGIES, build_topology
+    from lowband.topology.names import build_topology
 
     t = build_topology("lowband bench", name, MACHINE_TOPOLOGIES, size, 1)
     return t.at(step) if isinstance(t, DynamicTopology) else t
 
 
 @register_collective("allreduce", "ring allreduce (average) over all ranks")
-def _allreduce(group: Group, options: dict[str, Any]) -> OpFn:
-    if options:
-        raise InvalidArgumentError(f"lowband bench: allreduce takes no options, got {sorted(options)}")
-
+def _allreduce(group: Group) -> OpFn:
     def run(buf: torch.Tensor, step: int) -> None:
         lowband.allreduce(buf, inplace=True, group=group)
 
     return run
 
 
-@register_collective("neighbor_allreduce", "partial averaging with the topology's neighbors (BlueFog)")
-def _neighbor_allreduce(group: Group, options: dict[str, Any]) -> OpFn:
+@register_collective(
+    "neighbor_allreduce",
+    "partial averaging with the topology's neighbors (BlueFog)",
+    Options({"topology": topology_option(MACHINE_TOPOLOGIES, dynamic=False)}),
+)
+def _neighbor_allreduce(group: Group, *, topology: str = "exp2") -> OpFn:
     from lowband.decentral.neighbor import neighbor_allreduce
 
-    name = str(options.pop("topology", "exp2"))
-    if options:
-        raise InvalidArgumentError(f"lowband bench: neighbor_allreduce: unknown options {sorted(options)}")
-    _topology(name, group.size, 0)  # validate the name now
+    name = topology
     cache: dict[int, Any] = {}
 
     def run(buf: torch.Tensor, step: int) -> None:
@@ -86,11 +90,8 @@ def _neighbor_allreduce(group: Group, options: dict[str, Any]) -> OpFn:
 @register_collective(
     "hierarchical_neighbor_allreduce", "machine average, then neighbor averaging between machines"
 )
-def _hierarchical(group: Group, options: dict[str, Any]) -> OpFn:
+def _hierarchical(group: Group) -> OpFn:
     from lowband.decentral.neighbor import hierarchical_neighbor_allreduce
-
-    if options:
-        raise InvalidArgumentError("lowband bench: hierarchical_neighbor_allreduce takes no options")
 
     def run(buf: torch.Tensor, step: int) -> None:
         buf.copy_(hierarchical_neighbor_allreduce(buf, check_topology=False))
@@ -112,17 +113,16 @@ def parse_size(text: str) -> int:
     return n
 
 
-def build_ops(specs: list[str], group: Group) -> list[tuple[str, OpFn]]:
-    from lowband.strategies.registry import parse_strategy_spec
+def check_collective(spec: str, where: str = "lowband bench") -> tuple[str, dict[str, Any]]:
+    """``(name, options)`` of an op spec, the name registered and the options checked by its schema."""
+    return COLLECTIVES.check_spec(spec, where)
 
+
+def build_ops(specs: list[str], group: Group) -> list[tuple[str, OpFn]]:
     ops = []
     for spec in specs:
-        name, options = parse_strategy_spec(spec)
-        if name not in _OPS:
-            raise InvalidArgumentError(
-                f"lowband bench: unknown collective {name!r}; available: {', '.join(collective_names())}"
-            )
-        ops.append((spec, _OPS[name][0](group, dict(options))))
+        name, options = check_collective(spec)
+        ops.append((spec, COLLECTIVES.get(name)(group, **options)))
     return ops
 
 

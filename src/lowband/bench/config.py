@@ -9,9 +9,40 @@ from pathlib import Path
 from typing import Any
 
 from lowband.errors import InvalidArgumentError
+from lowband.options import Opt, Options, Rule
 from lowband.testbed.links import DEFAULT_MTU, Layout, build_layout, check_mtu
 
 DEFAULT_STRATEGIES = ("ddp", "powersgd", "localsgd:period=5")
+
+#: the bench's own numbers and choices (:mod:`lowband.options`); the rates, MTU, device, precision,
+#: workload and strategies are checked by the functions that parse them
+SETTINGS = Options(
+    {
+        "world_size": Opt(int, min=1, doc="ranks"),
+        "rounds": Opt(int, min=1, doc="rounds, strategies alternated in each"),
+        "steps_per_round": Opt(int, min=1, doc="steps of each strategy per round"),
+        "warmup_rounds": Opt(int, min=0, doc="first rounds left out of the timing statistics"),
+        "threads": Opt(int, min=1, doc="torch threads per rank"),
+        "ranks_per_machine": Opt(int, min=1, doc="ranks sharing a machine (two-tier layout)"),
+        "eval_items": Opt(int, min=0, doc="held-out items evaluated after each round (0: all)"),
+        "batch_size": Opt(int, None, min=1, doc="per-rank batch (None: the workload's)"),
+        "delay_ms": Opt(float, min=0, doc="one-way delay per rank"),
+        "comm_timeout": Opt(float, gt=0, doc="communication timeout (seconds)"),
+        "mode": Opt(str, choices=("auto", "netns", "loopback"), doc="the testbed"),
+        "reps": Opt(int, min=1, doc="timed ops per op, size and round (--collectives)"),
+    },
+    rules=[
+        Rule(
+            ("warmup_rounds", "rounds"), "warmup_rounds must be in [0, rounds)",
+            lambda o: o["warmup_rounds"] < o["rounds"],
+        ),
+        Rule(
+            ("ranks_per_machine", "world_size"), "ranks_per_machine must divide world_size",
+            lambda o: o["world_size"] % o["ranks_per_machine"] == 0,
+        ),
+    ],
+)  # fmt: skip
+_SIZE = Opt(int, min=4, what="a byte count")
 
 
 @dataclass
@@ -70,32 +101,21 @@ class BenchConfig:
         def bad(what: str) -> InvalidArgumentError:
             return InvalidArgumentError(f"lowband bench: {what}")
 
-        for name in ("world_size", "rounds", "steps_per_round", "threads", "ranks_per_machine"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise bad(f"{name} must be an int >= 1, got {v!r}")
-        if isinstance(self.eval_items, bool) or not isinstance(self.eval_items, int) or self.eval_items < 0:
-            raise bad(f"eval_items must be an int >= 0 (0: the whole test set), got {self.eval_items!r}")
+        SETTINGS.check("lowband bench", {k: getattr(self, k) for k in SETTINGS.names()})
         from lowband.bench.precision import check_device, check_grad_scaling, check_precision
 
         check_precision("lowband bench", self.precision, check_device("lowband bench", self.device))
-        if not 0 <= self.warmup_rounds < self.rounds:
-            raise bad(f"warmup_rounds must be in [0, rounds) = [0, {self.rounds}), got {self.warmup_rounds}")
         if self.collectives is not None:
-            from lowband.bench.collectives import collective_names
-            from lowband.strategies import parse_strategy_spec
+            from lowband.bench.collectives import check_collective
 
             if not self.collectives:
                 raise bad("give at least one collective")
             for spec in self.collectives:
-                if parse_strategy_spec(spec)[0] not in collective_names():
-                    raise bad(f"unknown collective {spec!r}; available: {', '.join(collective_names())}")
-            if not self.sizes or any(
-                isinstance(v, bool) or not isinstance(v, int) or v < 4 for v in self.sizes
-            ):
-                raise bad(f"sizes must be byte counts >= 4, got {self.sizes}")
-            if self.reps < 1:
-                raise bad(f"reps must be >= 1, got {self.reps}")
+                check_collective(spec)  # the name and the options, by the op's schema
+            if not self.sizes:
+                raise bad("give at least one message size")
+            for v in self.sizes:
+                _SIZE.convert("lowband bench", "each of sizes", v)
             return
         if not self.strategies:
             raise bad("give at least one strategy")
@@ -107,20 +127,12 @@ class BenchConfig:
             check_grad_scaling("lowband bench", self.strategies)
         if len(set(self.strategies)) != len(self.strategies):
             raise bad(f"strategies repeat: {self.strategies}")
-        if self.world_size % self.ranks_per_machine:
-            raise bad(f"ranks_per_machine={self.ranks_per_machine} must divide world_size={self.world_size}")
         if self.rates is not None and len(self.rates) != self.world_size // self.ranks_per_machine:
             raise bad(
                 f"rates has {len(self.rates)} entries; need one per machine ({self.world_size // self.ranks_per_machine})"
             )
         check_mtu("lowband bench", self.mtu)
         self.layout()  # the rates parse (pure: nothing is built)
-        if self.mode not in ("auto", "netns", "loopback"):
-            raise bad(f"mode must be auto, netns or loopback, got {self.mode!r}")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise bad(f"batch_size must be >= 1, got {self.batch_size}")
-        if not 0 < self.comm_timeout < float("inf") or not self.delay_ms >= 0:
-            raise bad(f"timeout must be > 0 and delay_ms >= 0, got {self.comm_timeout}, {self.delay_ms}")
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

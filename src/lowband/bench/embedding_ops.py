@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -31,6 +30,7 @@ from lowband.bench.collectives import OpFn, register_collective
 from lowband.comm.gather import allgather, alltoall
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.options import Opt, Options
 from lowband.sparse.costs import column_split
 from lowband.sparse.rows import PARTITIONS, RowPartition, pack_rows, unpack_rows
 
@@ -39,22 +39,13 @@ Tensor = torch.Tensor
 ROW_SETS = 4
 
 
-def _options(
-    op: str, options: dict[str, Any], extra: tuple[str, ...] = ()
-) -> tuple[float, int, dict[str, Any]]:
-    opts = dict(options)
-    density = opts.pop("density", 0.01)
-    dim = opts.pop("dim", 64)
-    rest = {k: opts.pop(k) for k in extra if k in opts}
-    if opts:
-        raise InvalidArgumentError(f"lowband bench: {op}: unknown options {sorted(opts)}")
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 <= density <= 1:
-        raise InvalidArgumentError(
-            f"lowband bench: {op}: density must be a number in [0, 1], got {density!r}"
-        )
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
-        raise InvalidArgumentError(f"lowband bench: {op}: dim must be an int >= 1, got {dim!r}")
-    return float(density), dim, rest
+#: the options of every embedding op: the gradient's row density and the table's width
+TABLE_OPTIONS = Options(
+    {
+        "density": Opt(float, min=0, max=1, doc="the fraction of the table's rows each rank touches"),
+        "dim": Opt(int, min=1, doc="the table's columns"),
+    }
+)
 
 
 def table_rows(size: int, dim: int) -> int:
@@ -93,10 +84,11 @@ class _Rows:
 
 
 @register_collective(
-    "emb_allgather", "embedding gradient at density=a (dim=D): coalesced rows + ids, one allgather"
+    "emb_allgather",
+    "embedding gradient at density=a (dim=D): coalesced rows + ids, one allgather",
+    TABLE_OPTIONS,
 )
-def emb_allgather(group: Group, options: dict[str, Any]) -> OpFn:
-    density, dim, _ = _options("emb_allgather", options)
+def emb_allgather(group: Group, *, density: float = 0.01, dim: int = 64) -> OpFn:
     rows = _Rows(density, dim)
 
     def run(buf: Tensor, step: int) -> None:
@@ -130,10 +122,11 @@ def column_exchange(table: Tensor, sets: list[Tensor], group: Group) -> None:
 
 
 @register_collective(
-    "emb_alltoall", "embedding gradient at density=a (dim=D): column blocks, two all-to-alls"
+    "emb_alltoall",
+    "embedding gradient at density=a (dim=D): column blocks, two all-to-alls",
+    TABLE_OPTIONS,
 )
-def emb_alltoall(group: Group, options: dict[str, Any]) -> OpFn:
-    density, dim, _ = _options("emb_alltoall", options)
+def emb_alltoall(group: Group, *, density: float = 0.01, dim: int = 64) -> OpFn:
     if dim < group.size:
         raise InvalidArgumentError(f"lowband bench: emb_alltoall: dim={dim} < {group.size} ranks")
     rows = _Rows(density, dim)
@@ -160,15 +153,12 @@ def ps_exchange(table: Tensor, sets: list[Tensor], part: RowPartition, group: Gr
 
 
 @register_collective(
-    "emb_ps", "embedding gradient at density=a (dim=D): rows pushed to owners and pulled back (partition=)"
+    "emb_ps",
+    "embedding gradient at density=a (dim=D): rows pushed to owners and pulled back (partition=)",
+    TABLE_OPTIONS | Options({"partition": Opt(str, choices=PARTITIONS, doc="which rank owns which rows")}),
 )
-def emb_ps(group: Group, options: dict[str, Any]) -> OpFn:
-    density, dim, rest = _options("emb_ps", options, ("partition",))
-    kind = str(rest.get("partition", "modulo"))
-    if kind not in PARTITIONS:
-        raise InvalidArgumentError(
-            f"lowband bench: emb_ps: partition must be one of {PARTITIONS}, got {kind!r}"
-        )
+def emb_ps(group: Group, *, density: float = 0.01, dim: int = 64, partition: str = "modulo") -> OpFn:
+    kind = partition
     rows = _Rows(density, dim)
 
     def run(buf: Tensor, step: int) -> None:

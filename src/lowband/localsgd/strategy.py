@@ -82,7 +82,7 @@ PARTIAL_SYNC_OPTIONS = Options(
     {
         "period": Opt(int, min=1, unit="steps", doc="H: local iterations per period (None: the schedule's, else 5)"),
         "profile": Opt(
-            str, objects=(Path, CostProfile), what="a profile JSON path",
+            str, objects=(Path, CostProfile), what="a JSON path",
             doc="a saved profile (a missing file: measured at the first step and saved there)",
         ),
         "schedule": Opt(None, objects=(Schedule,), doc="a fixed schedule (Python only)"),

@@ -114,7 +114,9 @@ def make_strategy(
         fix="give every rank the same strategy, options and model",
     )  # fmt: skip
     factory = STRATEGIES.get(name, where)
-    options, common = check_strategy_options(name, {**options, "on_nonfinite": on_nonfinite}, where)
+    options, common = check_strategy_options(
+        name, {**options, "on_nonfinite": on_nonfinite}, f"{where} on rank {g.rank}"
+    )
     on_nonfinite = common["on_nonfinite"]
     check_model_device(f"{where} on rank {g.rank}", model, ctx.device)
     make = as_optimizer_factory(make_optimizer, where, model.parameters())
