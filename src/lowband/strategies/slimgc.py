@@ -15,6 +15,15 @@ switchable for the ablation:
 Plain compression (the ablation's baseline) is ``comm_threshold=0,offload=false,backup=false``. Units
 are single parameter tensors, as in the paper (it decides per gradient tensor by its size).
 
+The quantizer (``compressor``, default ``onebit:threshold=0.5``): MXNet's 1-bit codes at the paper's
+threshold 0.5, in the quantizer's default ``threshold_mode=relative``: the threshold and the levels are
+in units of each tensor's mean magnitude (1-bit decodes to ``+-mean|g + e|``, sent as one float32 per
+tensor), which fits PyTorch's mean-reduced gradients whatever the batch size. MXNet's and the paper's
+units (Gluon sums the gradient over the batch; levels +-1) are ``onebit:threshold_mode=absolute``, with
+``;scale=B`` for a per-rank batch of ``B``; at ``scale=1`` on PyTorch's averaged gradients those levels
+are hundreds of times the gradient and the fmnist-cnn bench stays at chance level, where the relative
+default tracks DDP (:mod:`lowband.compress.threshold`, README "SlimGC").
+
 Precision: under bf16/fp16 autocast the parameters, gradients, error-feedback memories and the backup's
 global weights and optimizer state stay float32 (``tests/test_precision.py`` checks the state's dtypes);
 fp16 loss scaling is refused (:attr:`SlimGCStrategy.no_grad_scaler_reason`).
