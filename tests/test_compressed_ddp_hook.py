@@ -157,8 +157,8 @@ def test_hook_state_checkpoints(n: int) -> None:
 
 def test_bad_specs() -> None:
     for kw, msg in (
-        ({"compressor": "nope"}, "lowband.compress.ddp_hook: make_compressor: unknown compressor 'nope'"),
-        ({"reducer": "nope"}, "lowband.compress.ddp_hook: reducer: unknown transport 'nope'"),
+        ({"compressor": "nope"}, "lowband.compress.ddp_hook: compressor='nope': unknown compressor 'nope'"),
+        ({"reducer": "nope"}, "lowband.compress.ddp_hook: reducer='nope': unknown transport 'nope'"),
         ({"memory": "all"}, "lowband.compress.ddp_hook: .*memory.*'all'"),
     ):
         with pytest.raises(InvalidArgumentError, match=msg):

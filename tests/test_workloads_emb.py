@@ -209,7 +209,9 @@ def test_wordgpt_has_an_untied_input_table() -> None:
 def test_bad_arguments() -> None:
     with pytest.raises(InvalidArgumentError, match="negatives must be an int >= 1"):
         get_workload("wordlm-sampled", negatives=0)
-    with pytest.raises(InvalidArgumentError, match="wordgpt: vocab_size must be an int >= 2"):
+    with pytest.raises(
+        InvalidArgumentError, match="workload 'wordgpt': vocab_size must be an int >= 2, got 1"
+    ):
         get_workload("wordgpt", vocab_size=1)
     with pytest.raises(InvalidArgumentError, match="do not match 2 targets and 3 negatives"):
         sampled_softmax_loss(

@@ -132,36 +132,23 @@ class Opt:
         return list(c() if callable(c) else c or ())
 
     def _bounds(self) -> str:
-        lo = (
-            f"{_num(self.min)}"
-            if self.min is not None
-            else f"{_num(self.gt)}"
-            if self.gt is not None
-            else None
-        )
-        hi = (
-            f"{_num(self.max)}"
-            if self.max is not None
-            else f"{_num(self.lt)}"
-            if self.lt is not None
-            else None
-        )
+        lo = self.min if self.min is not None else self.gt
+        hi = self.max if self.max is not None else self.lt
         if lo is not None and hi is not None:
-            text = f" in {'[' if self.gt is None else '('}{lo}, {hi}{']' if self.lt is None else ')'}"
-        elif lo is not None:
-            text = f" {'>=' if self.gt is None else '>'} {lo}"
-        elif hi is not None:
-            text = f" {'<=' if self.lt is None else '<'} {hi}"
-        else:
-            text = ""
-        return text
+            left, right = "[" if self.gt is None else "(", "]" if self.lt is None else ")"
+            return f" in {left}{_num(lo)}, {_num(hi)}{right}"
+        if lo is not None:
+            return f" {'>=' if self.gt is None else '>'} {_num(lo)}"
+        if hi is not None:
+            return f" {'<=' if self.lt is None else '<'} {_num(hi)}"
+        return ""
 
     def _object_names(self) -> str:
         return "a " + " or a ".join(t.__name__ for t in self.objects)
 
 
-def _num(v: float | None) -> str:
-    return str(int(v)) if v is not None and float(v).is_integer() else str(v)
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else str(v)
 
 
 class _Refused:
