@@ -104,26 +104,31 @@ def _fail_while_peers_wait(bad: int) -> int:
     return lowband.rank()
 
 
-def test_launch_reports_root_cause_first() -> None:
-    """The rank that raised is reported first, with its traceback, before the others' follow-on errors."""
+def test_launch_reports_root_cause_first(tmp_path: Path) -> None:
+    """The rank that raised is named first, where in the user's code, before the others' follow-on
+    errors; its traceback is in its log."""
     with pytest.raises(lowband.LowbandError) as ei:
-        lowband.launch(_fail_while_peers_wait, 2, (1,), init_kwargs={"timeout": COMM_TIMEOUT})
+        lowband.launch(
+            _fail_while_peers_wait, 2, (1,), init_kwargs={"timeout": COMM_TIMEOUT}, log_dir=str(tmp_path)
+        )
     msg = str(ei.value)
     assert re.match(
-        r"lowband\.launch: rank 1 failed \([^)]*\): ValueError: rank 1 was told to fail\n", msg
+        r"lowband\.launch: rank 1 failed: ValueError: rank 1 was told to fail \(test_failure\.py, line \d+\)\n",
+        msg,
     ), msg
-    assert "in _fail_while_peers_wait" in msg  # the root cause's traceback
+    assert "in _fail_while_peers_wait" in (tmp_path / "rank1.log").read_text()  # the root cause's traceback
     # rank 0's follow-on error, when it got to report one before torch's agent stopped it, comes after
     assert "rank 0" not in msg.split("\n", 1)[0], msg
-    if "rank 0" in msg:
-        assert "\nthen: rank 0 " in msg, msg
+    if "then rank 0" in msg:
+        assert "\nlowband.launch: then rank 0 failed because of it" in msg, msg
 
 
 def test_launch_dead_rank_bounded() -> None:
     """A rank that exits without a Python error is the root cause, not the others' CommFailedError."""
     t0 = time.monotonic()
     with pytest.raises(
-        lowband.LowbandError, match=r"^lowband\.launch: rank 2 failed \(exit code 7\): exited"
+        lowband.LowbandError,
+        match=r"^lowband\.launch: rank 2 exited with code 7 before reporting a Python error",
     ):
         lowband.launch(_exit_on_rank, 3, (2,), init_kwargs={"timeout": COMM_TIMEOUT})
     assert time.monotonic() - t0 < 60
@@ -140,25 +145,24 @@ def _report(error: str, when: float, follow_on: bool = False) -> dict[str, Any]:
 
 
 def test_failure_report_orders_root_causes(tmp_path: Path) -> None:
-    """The earliest error that is not a follow-on comes first, whatever the ranks, their times, and
-    which ranks torch saw fail (rank 3 was stopped before it exited: only its report knows)."""
+    """The errors that are not follow-ons come first, earliest first, whatever the ranks and which
+    ranks torch saw fail (rank 3 was stopped before it exited: only its report knows); then the
+    follow-ons; then the rank torch's agent stopped (SIGTERM) once the others had failed."""
     failures = {0: _failure(tmp_path, 0, 1), 1: _failure(tmp_path, 1, -15), 2: _failure(tmp_path, 2, 1)}
     reports = {
         0: _report("CommFailedError: lowband.allreduce on rank 0 failed", 100.0, follow_on=True),
         2: _report("KeyError: 'late'", 100.5),
         3: _report("ValueError: first", 100.2),
     }
-    msg = failure_report(failures, reports)
-    assert msg.startswith(
-        "lowband.launch: rank 3 failed (stopped by the launcher): ValueError: first\nTraceback: ValueError: first\nthen: "
-    ), msg
-    assert "rank 0 (exit code 1): CommFailedError: lowband.allreduce on rank 0 failed; " in msg
-    assert "rank 1 (exit code -15: signal SIGTERM): stopped by signal SIGTERM; " in msg
-    assert msg.endswith("rank 2 (exit code 1): KeyError: 'late'")
+    assert failure_report(failures, reports).splitlines() == [
+        "lowband.launch: rank 3 failed: ValueError: first",
+        "lowband.launch: rank 2 failed: KeyError: 'late'",
+        "lowband.launch: then rank 0 failed because of it (follow-on errors; the first: CommFailedError: "
+        "lowband.allreduce on rank 0 failed)",
+        "lowband.launch: rank 1 stopped by the launcher once another rank had failed",
+    ]
     # a rank that exited without a report (os._exit, a crash) is a root cause; follow-ons are not
     msg = failure_report(
         {0: _failure(tmp_path, 0, 7)}, {1: _report("CommTimeoutError: t", 1.0, follow_on=True)}
     )
-    assert msg.startswith(
-        "lowband.launch: rank 0 failed (exit code 7): exited with code 7 before reporting"
-    ), msg
+    assert msg.startswith("lowband.launch: rank 0 exited with code 7 before reporting a Python error"), msg

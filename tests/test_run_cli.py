@@ -185,3 +185,80 @@ def test_loopback_fallback_runs_the_script_and_says_unshaped(tmp_path: Path) -> 
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "UNSHAPED" in out.stderr and "bytes not measured" in out.stdout, (out.stdout, out.stderr)
+
+
+SMALL = {"available_bytes": 16 * 10**9, "cores": 2}
+
+
+def test_each_rank_gets_its_share_of_the_cores(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lowband.bench import resources
+    from lowband.run_cli import rank_threads
+
+    monkeypatch.setattr(resources, "machine", lambda: resources.Machine(64 * 10**9, 8))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert rank_threads(3, force=False) == {"OMP_NUM_THREADS": "2"}  # 8 cores // 3 ranks
+    assert rank_threads(8, force=False) == {"OMP_NUM_THREADS": "1"}
+    assert rank_threads(20, force=False) == {"OMP_NUM_THREADS": "1"}  # at least 1
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's, and what lowband would set: nothing said
+    assert rank_threads(4, force=False) == {} and capsys.readouterr().err == ""
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")  # the user's wins, with a warning
+    assert rank_threads(4, force=False) == {}
+    err = capsys.readouterr().err
+    assert err.startswith("lowband run: warning: OMP_NUM_THREADS=8 from your environment: 4 rank(s) x 8")
+    assert "lowband would give each rank 2" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("testbed", [["--rate", "50mbit"], []], ids=["testbed", "torchrun"])
+def test_run_refuses_ranks_the_machine_cannot_hold_unless_forced(
+    testbed: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``run -n 64 --rate 50mbit`` on 2 cores and 16 GB: refused in one line before anything starts (it
+    ran 2.5 minutes and failed with 466 lines); ``--force`` starts it, one thread per rank."""
+    from lowband import torchrun
+    from lowband.bench import resources
+    from lowband.cli import main
+    from lowband.testbed import netns, run
+
+    (tmp_path / "job.py").write_text("raise SystemExit(7)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(resources, "machine", lambda: resources.Machine(**SMALL))
+    monkeypatch.setattr(netns.Testbed, "up", lambda self: pytest.fail("the testbed started"))
+    started: list[dict[str, object]] = []
+
+    def start(*args: object, **kwargs: object) -> int:
+        started.append(kwargs)
+        return 0
+
+    monkeypatch.setattr(run, "run_script", start)
+    monkeypatch.setattr(torchrun, "run_command", start)
+    assert main(["run", "-n", "64", *testbed, "job.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("lowband run -n 64: refusing to start: 64 ranks need about 19.2 GB"), err
+    assert "64 ranks x 1 thread(s) on 2 core(s) is more than 4 per core" in err and "--force" in err
+    assert len(err.strip().splitlines()) == 1 and not started, err
+    assert main(["run", "-n", "64", *testbed, "--force", "job.py"]) == 0
+    assert started[0]["env"] == {"OMP_NUM_THREADS": "1"}, started
+    assert main(["run", "-n", "2", *testbed, "--log-dir", "here", "job.py"]) == 0  # 2 ranks fit
+    assert started[1]["env"] == {"OMP_NUM_THREADS": "1"} and started[1]["log_dir"] == "here", started
+
+
+@pytest.mark.parametrize("testbed", [["--mode", "loopback"], []], ids=["testbed", "torchrun"])
+def test_ranks_compute_with_cores_over_ranks_threads(testbed: list[str], tmp_path: Path) -> None:
+    import json
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = [PY, "-m", "lowband.cli", "run", "-n", "2", *testbed, "--timeout", "60"]
+    script = [str(TESTS / "_terminal_script.py"), "threads", str(tmp_path)]
+    out = subprocess.run([*cmd, *script], capture_output=True, text=True, timeout=180, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    want = max(1, len(os.sched_getaffinity(0)) // 2)
+    for r in range(2):
+        info = json.loads((tmp_path / f"threads{r}.json").read_text())
+        assert info == {"omp": str(want), "torch": want}, info

@@ -76,7 +76,7 @@ def _root_net_state() -> str:
         ("1e6", 1e6),
         (1e8, 1e8),
         (12345, 12345.0),
-        ("100 mbps", 1e8),
+        ("100 mbit", 1e8),
     ],
 )
 def test_parse_rate(text: str | float, bits: float) -> None:

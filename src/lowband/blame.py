@@ -1,45 +1,116 @@
-"""Which rank caused a failed launch: the ranks' own reports, their processes' states, one ordering.
+"""Which rank caused a failed launch, in one line per distinct cause: the ranks' own reports, their
+processes' states and exit codes, one ordering.
 
 When one rank fails, the others fail after it with follow-on errors (a connection closed by the dead
-peer, a timeout waiting for a silent one). The cause is named first, and it outranks every follow-on
-error when it is:
+peer, a timeout waiting for a silent one). The causes are named first, earliest first:
 
 - a rank killed by a signal (SIGKILL, SIGSEGV, the OOM killer): it wrote no report, its exit status
   says it;
 - a rank that stopped answering: alive but stopped (SIGSTOP, a suspended job, a debugger; state ``T``
   in ``/proc``), so its peers time out. Nothing exits, so no exit status says it: a survivor that
-  times out looks at its peers' processes (:func:`stopped_ranks`, from the pid files the ranks write
-  at start, :func:`write_pid`) and names the stopped ones in its report, and the launcher, which sees
-  its children, does the same (:func:`proc_state`);
-- a Python error that is not a follow-on, or an exit without a report (``os._exit``, a crash), the
-  earliest first.
+  times out looks at its peers' processes (:func:`~lowband.rank_main.stopped_ranks`, from the pid
+  files the ranks write at start) and names the stopped ones in its report, and the launcher, which
+  sees its children, does the same (:func:`proc_state`);
+- a Python error that is not a follow-on, or an exit without a report (``os._exit``, a crash).
+
+The same error on several ranks (a typo in a strategy's name raised on every rank) is one line naming
+the ranks; the follow-on errors are one line after the causes (or the causes themselves when nothing
+else failed); ranks the launcher stopped once the others had failed are one line. The tracebacks stay
+in the ranks' log files, whose folder the last line names.
 
 Reports are small JSON files a rank writes *before* its own shutdown (the launcher may stop it once
-its peers fail): ``RANK.json`` with the error, its traceback, its time, whether it is a follow-on and
-the stopped ranks it saw; ``RANK.pid`` holds the rank's process id.
+its peers fail): ``RANK.json``, ``RANK.pid`` (:mod:`lowband.rank_main` writes them).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import time
-import traceback
+import re
+import shutil
+import signal
+import tempfile
+from dataclasses import dataclass
 from typing import Any
 
+from lowband.rank_main import (
+    LOG_DIR_ENV,
+    REPORT_DIR_ENV,
+    log_path,
+    proc_state,
+    rank_pids,
+    stopped_ranks,
+    write_pid,
+    write_report,
+)
+
+__all__ = [
+    "LaunchFolders",
+    "RankEnd",
+    "child_ranks",
+    "ends_of_codes",
+    "ends_of_failures",
+    "failure_report",
+    "parent_of",
+    "proc_state",
+    "rank_pids",
+    "read_reports",
+    "stopped_ranks",
+    "summary",
+    "write_pid",
+    "write_report",
+]
+
 _GUARD = 'if __name__ == "__main__":'
+#: distinct errors named on the terminal; more are counted in one line (the logs have them all)
+MAX_CAUSES = 5
+#: an error's text is cut to this many characters on the terminal (the log has it whole)
+MAX_TEXT = 400
+_HINTS = {
+    "SIGKILL": "kill -9, or the kernel's out-of-memory killer: see `dmesg`",
+    "SIGSEGV": "a crash in native code (its log has the Python stack of every thread)",
+    "SIGBUS": "a crash in native code (its log has the Python stack of every thread)",
+    "SIGILL": "a crash in native code (its log has the Python stack of every thread)",
+    "SIGFPE": "a crash in native code (its log has the Python stack of every thread)",
+    "SIGABRT": "an abort in native code (its log has the Python stack of every thread)",
+    "SIGTERM": "stopped from outside",
+    "SIGINT": "interrupted",
+}
 
 
-def proc_state(pid: int) -> str | None:
-    """The one-letter state of process ``pid`` from ``/proc`` (``T``: stopped), or None if it is gone
-    (or there is no ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the command name may hold spaces and parentheses
-    return fields[0] if fields else None
+class LaunchFolders:
+    """Where one launch's ranks leave their reports (a temporary folder, removed by :meth:`close`) and
+    their logs: ``log_dir`` (created), or a new temporary folder ``PREFIX-logs-*``, removed by
+    :meth:`close` when no rank failed and kept (the summary names it) when one did."""
+
+    def __init__(self, log_dir: str | None, prefix: str) -> None:
+        self.reports = tempfile.mkdtemp(prefix=f"{prefix}-reports-")
+        self.own_logs = log_dir is None
+        self.logs = (
+            tempfile.mkdtemp(prefix=f"{prefix}-logs-") if log_dir is None else os.path.abspath(log_dir)
+        )
+        os.makedirs(self.logs, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        """The ranks' environment variables naming the folders (:mod:`lowband.rank_main` reads them)."""
+        return {REPORT_DIR_ENV: self.reports, LOG_DIR_ENV: self.logs}
+
+    def close(self, ends: dict[int, RankEnd] | None = None) -> None:
+        """Remove the reports (and the temporary logs unless a rank failed, ``ends`` non-empty); a rank
+        killed by a signal gets a last line in its log saying so."""
+        shutil.rmtree(self.reports, ignore_errors=True)
+        if self.own_logs and not ends:
+            shutil.rmtree(self.logs, ignore_errors=True)
+            return
+        for r, end in (ends or {}).items():
+            if end.code < 0:
+                name = _signal_text(end.code)[0]
+                how = "stopped by the launcher" if end.by_launcher else "killed"
+                try:
+                    with open(log_path(self.logs, r), "a", encoding="utf-8") as f:
+                        f.write(f"lowband: rank {r} {how} (signal {name}, exit code {end.code})\n")
+                except OSError:
+                    pass
 
 
 def parent_of(pid: int) -> int | None:
@@ -74,71 +145,8 @@ def child_ranks(parent: int) -> dict[int, int]:
     return out
 
 
-def signal_cause(failures: dict[int, Any], seen_stopped: dict[int, float]) -> str | None:
-    """For a launch without the ranks' reports (torchrun's): the cause when it is a rank that stopped
-    answering or was killed by a signal (earliest first), in one line; None otherwise."""
-    if seen_stopped:
-        r = min(seen_stopped, key=lambda k: (seen_stopped[k], k))
-        return (
-            f"rank {r} stopped answering first (its process was stopped, state T: SIGSTOP, a suspended "
-            "job, a debugger; killed once another rank ended); the other ranks' errors follow from it"
-        )
-    deaths = [r for r, f in failures.items() if f.exitcode < 0]
-    if not deaths:
-        return None
-    r = min(deaths, key=lambda k: (float(failures[k].timestamp), k))
-    return (
-        f"rank {r} was killed by {failures[r].signal_name()} (exit code {failures[r].exitcode}) first; "
-        "the other ranks' errors follow from it"
-    )
-
-
-def write_pid(report_dir: str, rank: int) -> None:
-    """Record this rank's process id for its peers' :func:`stopped_ranks`."""
-    tmp = os.path.join(report_dir, f".{rank}.pid")
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(str(os.getpid()))
-    os.replace(tmp, os.path.join(report_dir, f"{rank}.pid"))
-
-
-def rank_pids(report_dir: str) -> dict[int, int]:
-    """Rank -> process id, from the pid files the ranks wrote."""
-    out: dict[int, int] = {}
-    for name in os.listdir(report_dir):
-        stem, _, ext = name.partition(".")
-        if ext == "pid" and stem.isdigit():
-            try:
-                with open(os.path.join(report_dir, name), encoding="ascii") as f:
-                    out[int(stem)] = int(f.read())
-            except (OSError, ValueError):
-                continue
-    return out
-
-
-def stopped_ranks(report_dir: str) -> list[int]:
-    """The ranks whose processes are stopped now (state ``T``), of those that wrote a pid file here."""
-    return sorted(r for r, pid in rank_pids(report_dir).items() if proc_state(pid) == "T")
-
-
-def write_report(report_dir: str, rank: int, exc: BaseException) -> None:
-    """Write this rank's error (see the module docstring); called before shutdown, from an ``except``."""
-    from lowband.errors import CommFailedError, CommTimeoutError
-
-    follow_on = isinstance(exc, (CommFailedError, CommTimeoutError))
-    report = {
-        "error": f"{type(exc).__name__}: {exc}",
-        "traceback": traceback.format_exc(),
-        "time": time.time(),
-        "follow_on": follow_on,
-        "stopped": [r for r in stopped_ranks(report_dir) if r != rank] if follow_on else [],
-    }
-    tmp = os.path.join(report_dir, f".{rank}.json")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f)
-    os.replace(tmp, os.path.join(report_dir, f"{rank}.json"))
-
-
 def read_reports(report_dir: str) -> dict[int, dict[str, Any]]:
+    """Rank -> its report (:func:`~lowband.rank_main.write_report`), of the ranks that wrote one."""
     out: dict[int, dict[str, Any]] = {}
     for name in os.listdir(report_dir):
         if name.endswith(".json") and name[:-5].isdigit():
@@ -150,19 +158,41 @@ def read_reports(report_dir: str) -> dict[int, dict[str, Any]]:
     return out
 
 
-def _exit_text(failure: Any) -> str:
-    if failure is None:
-        return "stopped by the launcher"
-    if failure.exitcode < 0:
-        return f"exit code {failure.exitcode}: signal {failure.signal_name()}"
-    return f"exit code {failure.exitcode}"
+@dataclass(frozen=True)
+class RankEnd:
+    """How a failed rank's process ended, as its launcher saw it: the exit code (negative: killed by
+    that signal), when (``time.time()``), and whether the launcher stopped it after another failed."""
+
+    code: int
+    when: float
+    by_launcher: bool = False
+
+
+def ends_of_failures(failures: dict[int, Any]) -> dict[int, RankEnd]:
+    """:class:`RankEnd` of torch's failures (rank -> ``ProcessFailure``). Torch's agent stops the other
+    ranks with SIGTERM once one failed: such a death is the launcher's unless nothing else failed."""
+    term = -int(signal.SIGTERM)
+    other = any(f.exitcode != term for f in failures.values())
+    return {
+        r: RankEnd(int(f.exitcode), float(f.timestamp), by_launcher=other and f.exitcode == term)
+        for r, f in failures.items()
+    }
+
+
+def ends_of_codes(codes: list[int], ended_at: dict[int, float], killed: list[int]) -> dict[int, RankEnd]:
+    """:class:`RankEnd` of the failed processes of :func:`lowband.testbed.procs.wait_procs`: exit codes,
+    when each was seen ending, the ranks it killed after the grace period."""
+    last = max(ended_at.values(), default=0.0)
+    return {
+        r: RankEnd(c, ended_at.get(r, last), by_launcher=r in killed) for r, c in enumerate(codes) if c != 0
+    }
 
 
 def _stopped_by(
-    reports: dict[int, dict[str, Any]], seen_stopped: dict[int, float]
+    reports: dict[int, dict[str, Any]], seen_stopped: dict[int, float], launcher: str
 ) -> dict[int, tuple[float, str]]:
     """Stopped rank -> (when it was first seen stopped, by whom)."""
-    out: dict[int, tuple[float, str]] = {r: (t, "the launcher") for r, t in seen_stopped.items()}
+    out: dict[int, tuple[float, str]] = {r: (t, launcher) for r, t in seen_stopped.items()}
     for r in sorted(reports):
         for s in reports[r].get("stopped", []):
             when = float(reports[r]["time"])
@@ -171,56 +201,149 @@ def _stopped_by(
     return out
 
 
+def rank_list(ranks: list[int]) -> str:
+    """``[1]`` -> ``"rank 1"``, ``[0, 1, 2, 5]`` -> ``"ranks 0-2, 5"``."""
+    rs = sorted(set(ranks))
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    runs: list[list[int]] = []
+    for r in rs:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [f"{x[0]}-{x[-1]}" if len(x) > 2 else ", ".join(map(str, x)) for x in runs]
+    return "ranks " + ", ".join(parts)
+
+
+def _short(text: str, follow_on: bool) -> str:
+    """An error's first line, cut at :data:`MAX_TEXT`; a follow-on's also before torch's own message
+    (``...: [../gloo/.../pair.cc:553] Connection closed by peer [127.0.0.1]:9384``)."""
+    line = text.strip().splitlines()[0] if text.strip() else text
+    if follow_on:
+        line = re.split(r": \[|: RuntimeError: ", line, maxsplit=1)[0]
+    return line if len(line) <= MAX_TEXT else line[: MAX_TEXT - 3] + "..."
+
+
+def _key(text: str, rank: int) -> str:
+    """An error's text with its own rank's number taken out: the same error on several ranks is one."""
+    return re.sub(rf"\brank {rank}\b", "rank #", text)
+
+
+def _group(
+    ranks: list[int], reports: dict[int, dict[str, Any]], follow_on: bool
+) -> list[tuple[list[int], str]]:
+    """The ranks' errors, one entry per distinct text (and place in the user's code): ``(ranks, text)``,
+    a rank's own number written ``each rank`` where several ranks said the same."""
+    groups: dict[tuple[str, str | None], list[int]] = {}
+    for r in ranks:
+        rep = reports[r]
+        groups.setdefault((_key(_short(str(rep["error"]), follow_on), r), rep.get("where")), []).append(r)
+    out = []
+    for (text, where), members in groups.items():
+        if len(members) == 1:
+            text = _short(str(reports[members[0]]["error"]), follow_on)
+        out.append((members, text.replace("rank #", "each rank") + (f" ({where})" if where else "")))
+    return out
+
+
+def _signal_text(code: int) -> tuple[str, str]:
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    return name, _HINTS.get(name, "")
+
+
+def summary(
+    ends: dict[int, RankEnd],
+    reports: dict[int, dict[str, Any]],
+    seen_stopped: dict[int, float] | None = None,
+    who: str = "lowband.launch",
+    log_dir: str | None = None,
+    launcher: str = "the launcher",
+) -> list[str]:
+    """The terminal's account of a failed launch: one line per distinct cause, earliest first (see the
+    module docstring), each starting ``WHO: ``; the last names ``log_dir`` when given.
+
+    ``ends`` are the failed processes (:func:`ends_of_failures`, :func:`ends_of_codes`); ``reports`` the
+    ranks' own (:func:`read_reports`); ``seen_stopped`` the ranks the launcher saw stopped (rank ->
+    time); ``launcher`` names who stopped ranks (``"torchrun's agent"``)."""
+    stopped = _stopped_by(reports, seen_stopped or {}, launcher)
+    ranks = sorted(set(ends) | set(reports) | set(stopped))
+    causes: list[tuple[float, list[int], str]] = []  # (when, ranks, what)
+    signals: dict[int, list[int]] = {}
+    exits: dict[int, list[int]] = {}
+    errors: list[int] = []
+    follow_ons: list[int] = []
+    by_launcher: list[int] = []
+    for r in ranks:
+        end, rep = ends.get(r), reports.get(r)
+        if r in stopped:
+            continue
+        if rep is not None:
+            (follow_ons if rep.get("follow_on") else errors).append(r)
+        elif end is not None and end.by_launcher:
+            by_launcher.append(r)
+        elif end is not None and end.code < 0:
+            signals.setdefault(end.code, []).append(r)
+        elif end is not None:
+            exits.setdefault(end.code, []).append(r)
+    if stopped:
+        st = sorted(stopped, key=lambda k: (stopped[k][0], k))
+        seen = (
+            f"seen by {stopped[st[0]][1]}"
+            if len(st) == 1
+            else "; ".join(f"{rank_list([r])} seen by {stopped[r][1]}" for r in st)
+        )
+        causes.append((
+            stopped[st[0]][0], st,
+            f"stopped answering (its process was stopped, state T: SIGSTOP, Ctrl-Z, a debugger; {seen}; "
+            "killed): the other ranks' timeouts follow from it; find what stopped it",
+        ))  # fmt: skip
+    for code, rs in signals.items():
+        name, hint = _signal_text(code)
+        causes.append((
+            min(ends[r].when for r in rs), rs,
+            f"{'was' if len(rs) == 1 else 'were'} killed by {name} (exit code {code}"
+            + (f": {hint})" if hint else ")"),
+        ))  # fmt: skip
+    guard = f" is the launching code under `{_GUARD}`?" if who == "lowband.launch" else ""
+    for code, rs in exits.items():
+        causes.append((
+            min(ends[r].when for r in rs), rs,
+            f"exited with code {code} before reporting a Python error (os._exit, a crash, or a failure "
+            f"while the rank started{';' + guard if guard else ''})",
+        ))  # fmt: skip
+    for rs, text in _group(errors, reports, follow_on=False):
+        causes.append((min(float(reports[r]["time"]) for r in rs), rs, f"failed: {text}"))
+    if not causes:  # nothing but follow-ons: the earliest is the cause
+        for rs, text in _group(follow_ons, reports, follow_on=True):
+            causes.append((min(float(reports[r]["time"]) for r in rs), rs, f"failed: {text}"))
+        follow_ons = []
+    causes.sort(key=lambda c: (c[0], c[1]))
+    lines = [f"{who}: {rank_list(rs)} {what}" for _, rs, what in causes[:MAX_CAUSES]]
+    if stopped and lines[0].startswith(f"{who}: {rank_list(list(stopped))} stopped answering ("):
+        lines[0] = lines[0].replace(" stopped answering (", " stopped answering first (", 1)
+    if len(causes) > MAX_CAUSES:
+        lines.append(f"{who}: ... and {len(causes) - MAX_CAUSES} more distinct errors (in the logs)")
+    if follow_ons:
+        first = min(follow_ons, key=lambda r: float(reports[r]["time"]))
+        lines.append(
+            f"{who}: then {rank_list(follow_ons)} failed because of it (follow-on errors; the first: "
+            f"{_short(str(reports[first]['error']), True)})"
+        )
+    if by_launcher:
+        lines.append(f"{who}: {rank_list(by_launcher)} stopped by {launcher} once another rank had failed")
+    if log_dir is not None:
+        lines.append(f"{who}: every rank's output and traceback: {os.path.join(log_dir, 'rank*.log')}")
+    return lines
+
+
 def failure_report(
     failures: dict[int, Any],
     reports: dict[int, dict[str, Any]],
     seen_stopped: dict[int, float] | None = None,
     who: str = "lowband.launch",
+    log_dir: str | None = None,
 ) -> str:
-    """The launch error: the cause first (with its traceback when it raised), then every other failed
-    rank in one line each.
-
-    ``failures`` are torch's (rank -> ``ProcessFailure``: the ranks the agent saw fail); ``reports`` are
-    the ranks' own (:func:`write_report`); ``seen_stopped`` are ranks the launcher saw stopped (rank ->
-    time). The cause is, earliest first, a rank killed by a signal, a rank that stopped answering, a
-    Python error that is not a follow-on, or an exit without a report; only when there is none, the
-    earliest follow-on error (a lowband communication failure caused by another rank)."""
-    stopped = _stopped_by(reports, seen_stopped or {})
-    ranks = sorted(set(failures) | set(reports) | set(stopped))
-
-    def text(r: int) -> str:
-        if r in stopped:
-            return (
-                f"stopped answering: its process was stopped (state T: SIGSTOP, a suspended job, a "
-                f"debugger), seen by {stopped[r][1]}; the other ranks' timeouts follow from it"
-            )
-        if r in reports:
-            return str(reports[r]["error"])
-        f = failures[r]
-        if f.exitcode < 0:
-            return f"stopped by signal {f.signal_name()}"
-        return (
-            f"exited with code {f.exitcode} before reporting a Python error (os._exit, a crash, or a "
-            f"failure while the rank started: is the launching code under `{_GUARD}`?)"
-        )
-
-    def root_key(r: int) -> tuple[int, float, int]:
-        if r in stopped:
-            return (0, stopped[r][0], r)
-        if r in reports:
-            return (1 if reports[r]["follow_on"] else 0, float(reports[r]["time"]), r)
-        # torch's failure time is in whole seconds (earlier than the death or equal): a signal death
-        # comes before the follow-on errors of that second
-        return (0, float(failures[r].timestamp), r)
-
-    root = min(ranks, key=root_key)
-    if root in stopped:
-        out = f"{who}: rank {root} {text(root)}"
-    else:
-        out = f"{who}: rank {root} failed ({_exit_text(failures.get(root))}): {text(root)}"
-        if root in reports:
-            out += "\n" + str(reports[root]["traceback"]).rstrip()
-    others = [r for r in ranks if r != root]
-    if others:
-        out += "\nthen: " + "; ".join(f"rank {r} ({_exit_text(failures.get(r))}): {text(r)}" for r in others)
-    return out
+    """:func:`summary` of a launch through torch's agent (``failures``: rank -> ``ProcessFailure``), as
+    one text."""
+    return "\n".join(summary(ends_of_failures(failures), reports, seen_stopped, who, log_dir))

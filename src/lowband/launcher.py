@@ -20,30 +20,32 @@ host (``GLOO_SOCKET_IFNAME`` chooses) and carries tensors, not pickles.
 from __future__ import annotations
 
 import ast
+import contextlib
+import logging
 import os
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from lowband.blame import (
-    child_ranks,
+    LaunchFolders,
+    ends_of_failures,
     parent_of,
     proc_state,
     rank_pids,
     read_reports,
-    signal_cause,
-    write_pid,
-    write_report,
+    summary,
 )
 from lowband.blame import failure_report as failure_report  # re-exported: the launch error's text
 from lowband.devices import check_ranks
 from lowband.errors import InvalidArgumentError, LowbandError
+from lowband.rank_main import rank_session
 
 _GUARD = 'if __name__ == "__main__":'
 
@@ -54,6 +56,7 @@ def _entry(
     kwargs: dict[str, Any],
     init_kwargs: dict[str, Any],
     report_dir: str,
+    log_dir: str | None = None,
 ) -> Any:
     import torch
 
@@ -62,18 +65,37 @@ def _entry(
     if os.environ.get("LOWBAND_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["LOWBAND_NUM_THREADS"]))
     rank = int(os.environ.get("RANK", "0"))
-    write_pid(report_dir, rank)
+    with rank_session(rank, report_dir, log_dir) as session:
+        try:
+            lowband.init(**init_kwargs)
+            return fn(*args, **kwargs)
+        except BaseException as exc:
+            if not (isinstance(exc, SystemExit) and not exc.code):
+                # before shutdown: the peers fail as soon as this rank's connections close, and the agent,
+                # seeing them fail, may stop this rank before it exits (out of torch's list of failures)
+                session.record(exc)
+            raise
+        finally:
+            lowband.shutdown()
+
+
+#: torch's loggers that print a failed launch's processes and tracebacks again (lowband's summary says it)
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+
+
+@contextmanager
+def quiet_torch_logs(level: int = logging.CRITICAL) -> Iterator[None]:
+    """Torch's launcher logs (the workers it stops, each failure with its traceback) above ``level``
+    only, while the block runs: lowband prints one line per cause and the logs hold the tracebacks."""
+    loggers = [logging.getLogger(name) for name in _TORCH_LOGGERS]
+    before = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(level)
     try:
-        lowband.init(**init_kwargs)
-        return fn(*args, **kwargs)
-    except BaseException as exc:
-        if not (isinstance(exc, SystemExit) and not exc.code):
-            # before shutdown: the peers fail as soon as this rank's connections close, and the agent,
-            # seeing them fail, may stop this rank before it exits (out of torch's list of failures)
-            write_report(report_dir, rank, exc)
-        raise
+        yield
     finally:
-        lowband.shutdown()
+        for lg, lvl in zip(loggers, before):
+            lg.setLevel(lvl)
 
 
 class _StoppedWatch:
@@ -106,35 +128,6 @@ class _StoppedWatch:
 
 def _is_child(pid: int) -> bool:
     return parent_of(pid) == os.getpid()
-
-
-class _ChildWatch:
-    """``lowband run`` (torchrun's agent runs in this process, its workers are our children): once a
-    worker has ended while another is stopped (state T), kill the stopped one (the agent would wait 30 s
-    for it to obey its SIGTERM) and remember it: it is the cause of the others' timeouts."""
-
-    def __init__(self, interval: float = 0.2) -> None:
-        self.interval = interval
-        self.seen: dict[int, float] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lowband-run-watch", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        known: dict[int, int] = {}
-        while not self._stop.wait(self.interval):
-            known.update(child_ranks(os.getpid()))
-            states = {r: proc_state(pid) for r, pid in known.items()}
-            if not any(st in (None, "Z") for st in states.values()):
-                continue  # every worker still runs (or is stopped by choice: nobody waits on it yet)
-            for r, st in sorted(states.items()):
-                if st == "T" and r not in self.seen and _is_child(known[r]):
-                    self.seen[r] = time.time()
-                    os.kill(known[r], signal.SIGKILL)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def loopback_store() -> tuple[Any, int]:
@@ -227,13 +220,17 @@ def launch(
     init_kwargs: dict[str, Any] | None = None,
     monitor_interval: float = 0.1,
     quiet: bool = True,
+    log_dir: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` local ranks (after :func:`lowband.init`) and return the
     ranks' results in rank order.
 
     ``fn`` must be picklable (defined at module level). ``init_kwargs`` go to :func:`lowband.init` on
-    every rank. If a rank fails, the others are stopped and :class:`LowbandError` is raised with the
-    failed ranks' errors.
+    every rank. Each rank's Python output is also copied to ``log_dir/rankR.log`` (default: a new
+    temporary folder, removed when every rank succeeded). If a rank fails, the others are stopped and
+    :class:`LowbandError` is raised with one line per distinct cause (which ranks, what), the cause
+    first (:mod:`lowband.blame`), and the folder whose logs hold every rank's full traceback.
+    ``quiet`` hides torch's own launcher logs (which repeat the failures with tracebacks).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -258,102 +255,23 @@ def launch(
         monitor_interval=monitor_interval,
         start_method="spawn",
     )
-    if quiet:
-        import logging
-
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-        logging.getLogger("torch.distributed.launcher").setLevel(logging.ERROR)
-    with tempfile.TemporaryDirectory(prefix="lowband-launch-") as report_dir:
-        watch = _StoppedWatch(report_dir, monitor_interval)
-        try:
-            results = elastic_launch(config, _entry)(
-                fn, tuple(args), dict(kwargs or {}), dict(init_kwargs or {}), report_dir
-            )
-        except ChildFailedError as exc:
-            watch.close()
-            raise LowbandError(failure_report(exc.failures, read_reports(report_dir), watch.seen)) from exc
-        finally:
-            watch.close()
-            del store
-    return [results[r] for r in sorted(results)]
-
-
-_NPROCS = ("-n", "--np", "--nprocs")
-_MULTI_HOST = (
-    "--rdzv-endpoint",
-    "--rdzv_endpoint",
-    "--master-addr",
-    "--master_addr",
-    "--master-port",
-    "--master_port",
-)
-
-
-def _nprocs(flag: str, value: str | None) -> str:
-    if value is None or not value.isdigit() or int(value) < 1:
-        got = "no value" if value is None else repr(value)
-        raise InvalidArgumentError(f"lowband run: {flag} needs a number of ranks >= 1, got {got}")
-    return value
-
-
-def run_command(argv: Sequence[str]) -> int:
-    """``lowband run -n N [torchrun options] script.py [args]``: torchrun with lowband's defaults. Without a
-    rendezvous endpoint or master address (or with ``--standalone``) it is a single-machine launch, its
-    store on 127.0.0.1 (see the module docstring); with one, torchrun's multi-host rendezvous as given."""
-    from torch.distributed.run import get_args_parser
-    from torch.distributed.run import run as torch_run
-
-    parser = get_args_parser()
-    takes_value = {o for action in parser._actions for o in action.option_strings if action.nargs != 0}
-    argv = list(argv)
-    opts: list[str] = []
-    rest: list[str] = []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a in _NPROCS:
-            opts += ["--nproc-per-node", _nprocs(a, argv[i + 1] if i + 1 < len(argv) else None)]
-            i += 2
-            continue
-        if a.startswith("-n") and not a.startswith("--") and len(a) > 2:
-            opts += ["--nproc-per-node", _nprocs("-n", a[2:].lstrip("="))]
-            i += 1
-            continue
-        if a.startswith(("--nproc-per-node", "--nproc_per_node")):
-            value = a.partition("=")[2] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else None)
-            if value is None or (value.lstrip("-").isdigit() and int(value) < 1):
-                _nprocs(a.partition("=")[0], value)
-        if not a.startswith("-"):
-            rest = argv[i:]
-            break
-        if a in takes_value and i + 1 < len(argv):  # ``--nnodes 2``: the value is not the script
-            opts += [a, argv[i + 1]]
-            i += 2
-            continue
-        opts.append(a)
-        i += 1
-    store = None
-    if not any(x.startswith(_MULTI_HOST) for x in opts):  # one machine (``--standalone`` or nothing said)
-        store, port = loopback_store()
-        opts = [x for x in opts if x != "--standalone"]
-        opts += ["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        opts += ["--nnodes", "1", "--node-rank", "0"]
-    out = opts + rest
-    args = parser.parse_args(out)
-    watch = _ChildWatch()
+    folders = LaunchFolders(log_dir, "lowband-launch")
+    watch = _StoppedWatch(folders.reports, monitor_interval)
+    failure: ChildFailedError | None = None
     try:
-        torch_run(args)  # type: ignore[no-untyped-call]
-    except Exception as exc:  # ChildFailedError: the ranks printed their own errors
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-        if isinstance(exc, ChildFailedError):
-            watch.close()
-            cause = signal_cause(exc.failures, watch.seen)
-            if cause is not None:
-                print(f"lowband run: {cause}", file=sys.stderr, flush=True)
-            return 1
-        raise LowbandError(f"lowband run: {type(exc).__name__}: {exc}") from exc
+        with quiet_torch_logs() if quiet else contextlib.nullcontext():
+            results = elastic_launch(config, _entry)(
+                fn, tuple(args), dict(kwargs or {}), ik, folders.reports, folders.logs
+            )
+    except ChildFailedError as exc:
+        failure = exc
     finally:
         watch.close()
         del store
-    return 0
+    if failure is None:
+        folders.close()
+        return [results[r] for r in sorted(results)]
+    ends = ends_of_failures(failure.failures)
+    lines = summary(ends, read_reports(folders.reports), watch.seen, "lowband.launch", folders.logs)
+    folders.close(ends)
+    raise LowbandError("\n".join(lines))

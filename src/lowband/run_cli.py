@@ -1,10 +1,16 @@
 """``lowband run``: a user's script on N ranks.
 
-Without a link option it is torchrun with lowband's defaults (:func:`lowband.launcher.run_command`:
+Without a link option it is torchrun with lowband's defaults (:func:`lowband.torchrun.run_command`:
 one machine with its store on 127.0.0.1, or torchrun's multi-host rendezvous). With one (``--rate``,
 ``--rates``, ``--ranks-per-machine``, ``--intra-rate``, ``--delay-ms``, ``--mode``) the ranks run inside
 the testbed's emulated links (:func:`lowband.testbed.run.run_script`), as ``lowband bench`` runs its
 ranks, and the bytes each link carried are printed at the end.
+
+Either way, before anything starts: each rank computes with ``cores // ranks`` threads
+(``OMP_NUM_THREADS``, as the bench and torchrun limit them; a value in the environment wins, with a
+warning), and ranks this machine cannot hold are refused (the bench's check, ``--force`` overrides).
+A failed run ends with one line per distinct cause; every rank's output and traceback are in
+``--log-dir``.
 """
 
 from __future__ import annotations
@@ -47,8 +53,8 @@ sent counts, framing and rendezvous included. Ctrl-C, a failed rank or an error 
 namespace."""
 
 EPILOG = """\
-Other torchrun options (--max-restarts, --rdzv-conf, --log-dir, ...) are passed to torchrun as given,
-without a link option. With --rdzv-endpoint and no --rdzv-backend the rendezvous is torchrun's c10d."""
+Other torchrun options (--max-restarts, --rdzv-conf, ...) are passed to torchrun as given, without a
+link option. With --rdzv-endpoint and no --rdzv-backend the rendezvous is torchrun's c10d."""
 
 
 class UsageError(Exception):
@@ -63,7 +69,9 @@ class OneLineParser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
 
-def _rate(value: str) -> str | None:
+def rate_arg(value: str) -> str | None:
+    """A link-rate option's value (``lowband run`` and ``lowband bench``): checked as tc would read it
+    (:func:`~lowband.testbed.rates.parse_rate`), ``none``/``0`` for unshaped."""
     if value.strip().lower() in ("none", "unshaped", "unlimited", "inf", "0"):
         return None
     try:
@@ -101,7 +109,9 @@ def add_timeout(p: argparse.ArgumentParser | Any, default: float | None) -> None
 
 def add_link_options(links: Any) -> None:
     """The testbed's link options, shared by ``lowband run`` and ``lowband testbed up``."""
-    links.add_argument("--rate", type=_rate, help="link rate of every emulated machine, e.g. 100mbit, 1gbit")
+    links.add_argument(
+        "--rate", type=rate_arg, help="link rate of every emulated machine, e.g. 100mbit, 1gbit"
+    )
     links.add_argument(
         "--rates", help="one rate per machine, comma separated, e.g. 1gbit,100mbit (heterogeneous)"
     )
@@ -110,7 +120,7 @@ def add_link_options(links: Any) -> None:
         help="K ranks share each emulated machine and its link (two-tier; default 1)",
     )  # fmt: skip
     links.add_argument(
-        "--intra-rate", type=_rate, help="rate between ranks of one machine (default unshaped)"
+        "--intra-rate", type=rate_arg, help="rate between ranks of one machine (default unshaped)"
     )
     links.add_argument(
         "--delay-ms", "--delay", type=float, metavar="MS",
@@ -141,6 +151,15 @@ def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module (python -m SCRIPT)")
     add_timeout(p, None)
+    p.add_argument(
+        "--log-dir", "--log_dir", metavar="DIR",
+        help="each rank's log, DIR/rankR.log: its Python output and, if it fails, its full traceback "
+        "(default: a temporary folder, kept and printed when a rank fails)",
+    )  # fmt: skip
+    p.add_argument(
+        "--force", action="store_true",
+        help="start the ranks even where the estimate of their memory or cores exceeds this machine",
+    )  # fmt: skip
     links = p.add_argument_group("emulated links (the testbed)")
     add_link_options(links)
     links.add_argument(
@@ -242,13 +261,14 @@ def _main(argv: Sequence[str]) -> int:
         except InvalidArgumentError as exc:
             parser.error(str(exc).removeprefix("lowband run: "))
     if not testbed:
-        from lowband.launcher import run_command
-
         if ns.report or ns.time_limit:
             parser.error("--report and --time-limit go with a link option (--rate, ...)")
+        torchrun_argv = _torchrun_argv(ns, passthrough, rest)
+        env = rank_threads(ns.nproc or 1, ns.force)
+        from lowband.torchrun import run_command
 
         try:
-            return run_command(_torchrun_argv(ns, passthrough, rest))
+            return run_command(torchrun_argv, log_dir=ns.log_dir, env=env)
         except InvalidArgumentError as exc:
             parser.error(str(exc).removeprefix("lowband run: "))
     hosts = [f"--{k.replace('_', '-')}" for k in HOST_OPTIONS if getattr(ns, k) is not None]
@@ -266,14 +286,44 @@ def _main(argv: Sequence[str]) -> int:
     script = ["-m", *rest] if ns.module else rest
     if not ns.module and not os.path.exists(rest[0]):
         parser.error(f"no script {rest[0]!r}")
+    env = rank_threads(ns.nproc, ns.force)
     try:
         return run_script(
             layout, script, mode=ns.mode or "auto", mtu=ns.mtu, time_limit=ns.time_limit, report=ns.report,
-            grace=ns.grace,
+            grace=ns.grace, env=env, log_dir=ns.log_dir,
         )  # fmt: skip
     except KeyboardInterrupt:
         print("lowband run: interrupted; every rank stopped and the testbed removed", file=sys.stderr)
         return 130
+
+
+def rank_threads(ranks: int, force: bool) -> dict[str, str]:
+    """The environment that gives each of ``ranks`` rank processes on this machine its threads
+    (``OMP_NUM_THREADS`` = cores // ranks, at least 1, :func:`~lowband.bench.resources.threads_per_rank`),
+    after the bench's resource check (:class:`UsageError` naming ``--force``, unless ``force``). A value
+    already in the environment is the user's: kept, with a warning when it differs."""
+    from lowband.bench.resources import check_resources, machine, rank_bytes, threads_per_rank
+
+    m = machine()
+    ours = threads_per_rank(ranks, m.cores)
+    theirs = os.environ.get("OMP_NUM_THREADS", "").strip()
+    threads = int(theirs) if theirs.isdigit() and int(theirs) > 0 else ours
+    if not force:
+        try:  # the script's model is unknown here: torch's own footprint per rank
+            check_resources(ranks, threads, rank_bytes(0), m, f"lowband run -n {ranks}", force="--force")
+        except InvalidArgumentError as exc:
+            raise UsageError(str(exc)) from exc
+    if not theirs:
+        return {"OMP_NUM_THREADS": str(ours)}
+    if theirs != str(ours):
+        print(
+            f"lowband run: warning: OMP_NUM_THREADS={theirs} from your environment: {ranks} rank(s) x "
+            f"{theirs} thread(s) on {m.cores} core(s), where lowband would give each rank {ours} (cores // "
+            "ranks); ranks that together want more threads than there are cores preempt each other and "
+            "steps measure the scheduler (unset OMP_NUM_THREADS to get lowband's)",
+            file=sys.stderr,
+        )
+    return {}
 
 
 def layout_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Layout:
@@ -295,7 +345,7 @@ def layout_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
             require_delay()
     except InvalidArgumentError as exc:
-        parser.error(str(exc).removeprefix("testbed "))
+        parser.error(str(exc).replace("testbed rate: ", "--rates: ", 1).removeprefix("testbed "))
     except LowbandError as exc:  # the delay's missing packages: what to install, in one line
         parser.error(str(exc).removeprefix("lowband.testbed: "))
     return layout

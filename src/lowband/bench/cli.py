@@ -12,11 +12,7 @@ from typing import Any
 from lowband.bench.config import BenchConfig
 from lowband.errors import InvalidArgumentError, LowbandError
 from lowband.registry import Registry
-from lowband.run_cli import add_timeout
-
-
-def _rate(v: str) -> str | None:
-    return None if v.lower() in ("none", "unshaped", "0") else v
+from lowband.run_cli import add_timeout, rate_arg
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -60,13 +56,13 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
         "-n", "--world-size", type=int, default=dflt.world_size, help=f"ranks (default {dflt.world_size})"
     )
     p.add_argument(
-        "--rate", type=_rate, default=dflt.rate, help="per-rank link rate, e.g. 100mbit; 'none' = unshaped"
+        "--rate", type=rate_arg, default=dflt.rate, help="per-rank link rate, e.g. 100mbit; 'none' = unshaped"
     )
     p.add_argument("--rates", default=None, help="heterogeneous: one rate per machine, comma separated")
     p.add_argument(
         "--ranks-per-machine", type=int, default=1, help="two-tier layout: ranks sharing a fast machine link"
     )
-    p.add_argument("--intra-rate", type=_rate, default=None, help="rate inside a machine (two-tier)")
+    p.add_argument("--intra-rate", type=rate_arg, default=None, help="rate inside a machine (two-tier)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per rank (NFQUEUE delayer)")
     p.add_argument(
         "--mtu",
@@ -115,6 +111,11 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
         help=f"held-out items evaluated after each round (default {dflt.eval_items}; 0 = the whole test set)",
     )  # fmt: skip
     p.add_argument("--out", default=None, help="output folder (default results/<command>-<time>)")
+    p.add_argument(
+        "--log-dir", default=None, metavar="DIR",
+        help="each rank's log, DIR/rankR.log: its output and, if it fails, its full traceback (default "
+        "OUT/logs; a failed run prints one line per distinct cause and this folder)",
+    )  # fmt: skip
     p.add_argument(
         "--force", action="store_true",
         help="start the ranks even where the estimate of their memory or cores exceeds this machine",
@@ -231,7 +232,10 @@ def _bench(ns: argparse.Namespace) -> int:
         return 0
     cfg = config_from_args(ns, "bench")
     if ns.sweep_rates or ns.sweep_world_sizes:
-        rates = [_rate(r) for r in ns.sweep_rates.split(",")] if ns.sweep_rates else [cfg.rate]
+        try:
+            rates = [rate_arg(r) for r in ns.sweep_rates.split(",")] if ns.sweep_rates else [cfg.rate]
+        except argparse.ArgumentTypeError as e:
+            raise InvalidArgumentError(f"--sweep-rates: {e}") from e
         try:
             sizes = (
                 [int(s) for s in ns.sweep_world_sizes.split(",")]
@@ -240,11 +244,11 @@ def _bench(ns: argparse.Namespace) -> int:
             )
         except ValueError as e:
             raise InvalidArgumentError(f"--sweep-world-sizes: expected ints, e.g. 2,3,4 ({e})") from e
-        res = run_sweep(cfg, rates, sizes, force=ns.force)
+        res = run_sweep(cfg, rates, sizes, force=ns.force, log_dir=ns.log_dir)
         print(res["table"])
         print(f"sweep results: {Path(cfg.out_dir) / 'sweep.json'}")
         return 0
-    _print_results(run_bench(cfg, force=ns.force))
+    _print_results(run_bench(cfg, force=ns.force, log_dir=ns.log_dir))
     return 0
 
 
@@ -285,5 +289,5 @@ def _demo(ns: argparse.Namespace) -> int:
         f"lowband demo: {cfg.workload} on {cfg.world_size} ranks, links {cfg.rate or 'unshaped'} per rank; "
         f"strategies: {', '.join(cfg.strategies)}; {cfg.rounds} rounds x {cfg.steps_per_round} steps each, alternated"
     )
-    _print_results(run_bench(cfg, force=ns.force))
+    _print_results(run_bench(cfg, force=ns.force, log_dir=ns.log_dir))
     return 0

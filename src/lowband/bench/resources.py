@@ -1,10 +1,12 @@
-"""Will this machine hold a bench's ranks? A check before any testbed or rank starts.
+"""Will this machine hold a bench's (or ``lowband run``'s) ranks? A check before any testbed or rank
+starts, and the threads each rank computes with.
 
 Every rank is a process with its own torch (about 300 MB resident before any model), the workload's
 model, gradients, optimizer state and the strategy's copies and buffers, so ``lowband bench -n 100``
 needs tens of GB: started anyway, it runs the machine out of memory. Ranks beyond a few per core make
 every step wait on the scheduler and the communication time out. :func:`check_resources` refuses such
-runs with its estimate; ``--force`` (``run_bench(..., force=True)``) starts them anyway.
+runs with its estimate; ``--force`` (``run_bench(..., force=True)``) starts them anyway. ``lowband run``
+applies the same check with torch's footprint alone (it does not know the script's model).
 """
 
 from __future__ import annotations
@@ -48,14 +50,30 @@ def machine() -> Machine:
     return Machine(available, cores)
 
 
+def threads_per_rank(ranks: int, cores: int) -> int:
+    """Threads each of ``ranks`` rank processes sharing ``cores`` cores computes with (torch's intra-op
+    threads, ``OMP_NUM_THREADS``): the cores shared out, at least 1, as torchrun's 1 and the bench's
+    ``threads`` keep them. Every rank taking every core (torch's default) makes the ranks preempt each
+    other, and a step measures the scheduler."""
+    return max(1, cores // max(1, ranks))
+
+
 def rank_bytes(model_bytes: int, footprint: int = TORCH_FOOTPRINT) -> int:
     """Estimated resident memory of one training rank."""
     return footprint + MODEL_COPIES * model_bytes
 
 
-def check_resources(world_size: int, threads: int, per_rank: int, m: Machine, what: str) -> None:
+def check_resources(
+    world_size: int,
+    threads: int,
+    per_rank: int,
+    m: Machine,
+    what: str,
+    force: str = "--force (run_bench(..., force=True))",
+) -> None:
     """Raise :class:`InvalidArgumentError` with the estimate if ``world_size`` ranks (``threads``
-    threads each, ``per_rank`` bytes each) would not fit ``m``."""
+    threads each, ``per_rank`` bytes each) would not fit ``m``; the message says how to start them
+    anyway (``force``)."""
     problems = []
     need = world_size * per_rank
     if m.available_bytes is not None and need > MEMORY_SHARE * m.available_bytes:
@@ -71,6 +89,6 @@ def check_resources(world_size: int, threads: int, per_rank: int, m: Machine, wh
         )
     if problems:
         raise InvalidArgumentError(
-            f"{what}: refusing to start: " + "; ".join(problems) + ". Use fewer ranks (-n), or --force "
-            "(run_bench(..., force=True)) to start them anyway"
+            f"{what}: refusing to start: " + "; ".join(problems) + f". Use fewer ranks (-n), or {force} "
+            "to start them anyway"
         )

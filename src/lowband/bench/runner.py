@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import re
 import subprocess
 import sys
 import threading
@@ -24,10 +23,12 @@ from lowband.bench.config import BenchConfig
 from lowband.bench.metrics import Rates, summarize
 from lowband.bench.report import legend, markdown_table, plot_all, sweep_table, terminal_table
 from lowband.bench.resources import check_resources, machine, rank_bytes
+from lowband.blame import LaunchFolders, ends_of_codes, read_reports
+from lowband.blame import summary as failure_lines
 from lowband.errors import LowbandError
+from lowband.rank_main import RANK_MAIN, REPORT_DIR_ENV
 from lowband.testbed import Layout, Testbed
 from lowband.testbed.procs import wait_procs
-from lowband.testbed.run import blame_line
 
 
 def link_shares(layout: Layout) -> list[Rates]:
@@ -55,19 +56,6 @@ def _follow(stream: IO[bytes], bar: tqdm, log: IO[str]) -> None:
             log.flush()
 
 
-def _last_error(log: Path) -> str:
-    """The last ``SomeError: message`` line of a rank's log (its own error, after the traceback)."""
-    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    errors = [x for x in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b", x)]
-    return errors[-1] if errors else (lines[-1] if lines else "(empty log)")
-
-
-def failed_ranks(codes: list[int], logs: Path) -> str:
-    """One line per failed rank: its exit code and its own error; the tracebacks stay in the logs."""
-    out = [f"  rank {r} exited {c}: {_last_error(logs / f'rank{r}.log')}" for r, c in enumerate(codes) if c]
-    return "\n".join(out or ["  every rank exited 0 but rank 0 wrote no results"]) + f"\n  (logs: {logs})"
-
-
 def check_machine(cfg: BenchConfig) -> None:
     """Refuse (with the estimate) a bench whose ranks this machine cannot hold: first on torch's
     footprint alone (instant, whatever the workload), then with the workload's model."""
@@ -86,11 +74,17 @@ def check_machine(cfg: BenchConfig) -> None:
 
 
 def run_bench(
-    cfg: BenchConfig, *, timeout: float = 3600.0, quiet: bool = False, force: bool = False
+    cfg: BenchConfig,
+    *,
+    timeout: float = 3600.0,
+    quiet: bool = False,
+    force: bool = False,
+    log_dir: str | None = None,
 ) -> dict[str, Any]:
     """Run one bench (one workload, one link setting); returns the results also written to
     ``cfg.out_dir/results.json``. Refuses ranks the machine cannot hold (:func:`check_machine`)
-    unless ``force``."""
+    unless ``force``. Each rank's output goes to ``log_dir/rankR.log`` (default ``cfg.out_dir/logs``);
+    a failed run raises :class:`LowbandError` with one line per distinct cause (:mod:`lowband.blame`)."""
     cfg.validate()
     from lowband.bench.workloads import canonical_spec, get_workload, is_spec
 
@@ -102,19 +96,25 @@ def run_bench(
     if not force:
         check_machine(cfg)
     out = Path(cfg.out_dir)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    log_path = Path(log_dir) if log_dir is not None else out / "logs"
+    log_path.mkdir(parents=True, exist_ok=True)
     (out / "raw.json").unlink(missing_ok=True)
     cfg_path = out / "config.json"
     cfg.save(cfg_path)
     layout = cfg.layout()
     started = datetime.datetime.now().isoformat(timespec="seconds")
+    reports = LaunchFolders(str(log_path), "lowband-bench")  # the ranks' reports; the logs are ours
     with Testbed(layout, mode=cfg.mode, mtu=cfg.mtu) as tb:
-        logs = [open(out / "logs" / f"rank{r}.log", "w") for r in range(cfg.world_size)]  # noqa: SIM115
+        logs = [open(log_path / f"rank{r}.log", "w") for r in range(cfg.world_size)]  # noqa: SIM115
         try:
             stdouts: list[Any] = [subprocess.PIPE, *logs[1:]]
             procs = tb.spawn(
-                [sys.executable, "-m", "lowband.bench.worker", str(cfg_path.resolve())],
-                env={"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(cfg.threads)},
+                [sys.executable, RANK_MAIN, "-m", "lowband.bench.worker", str(cfg_path.resolve())],
+                env={
+                    "PYTHONUNBUFFERED": "1",
+                    "OMP_NUM_THREADS": str(cfg.threads),
+                    REPORT_DIR_ENV: reports.reports,
+                },
                 stdout=stdouts,
                 stderr=logs,
             )
@@ -123,17 +123,23 @@ def run_bench(
             bar = tqdm(desc=f"bench {what}, {tb.label()}", unit=unit, disable=quiet, file=sys.stderr)
             follower = threading.Thread(target=_follow, args=(procs[0].stdout, bar, logs[0]), daemon=True)
             follower.start()
-            order, stopped = list[int](), list[int]()
-            codes = wait_procs(procs, timeout, grace=10.0, exited=order, stopped=stopped)
+            stopped, killed, ended_at = list[int](), list[int](), dict[int, float]()
+            codes = wait_procs(procs, timeout, grace=10.0, stopped=stopped, killed=killed, ended_at=ended_at)
             follower.join(timeout=10)
             bar.close()
         finally:
             for f in logs:
                 f.close()
-        if any(codes) or not (out / "raw.json").exists():
-            cause = f" ({blame_line(codes, order, stopped, 10.0)})" if any(codes) else ""
+            said = read_reports(reports.reports)
+            reports.close()
+        if any(codes):
+            seen = {r: ended_at[r] for r in stopped if r in ended_at}
+            ends = ends_of_codes(codes, ended_at, killed)
+            lines = failure_lines(ends, said, seen, "lowband bench", str(log_path), "lowband bench")
+            raise LowbandError("\n".join(lines))
+        if not (out / "raw.json").exists():
             raise LowbandError(
-                f"lowband bench: the ranks failed{cause}\n" + failed_ranks(codes, out / "logs")
+                f"lowband bench: every rank exited 0 but rank 0 wrote no results (logs: {log_path})"
             )
         shaped, label = tb.shaped, tb.label()
     raw = json.loads((out / "raw.json").read_text())
@@ -238,8 +244,10 @@ def run_sweep(
     *,
     timeout: float = 3600.0,
     force: bool = False,
+    log_dir: str | None = None,
 ) -> dict[str, Any]:
-    """One bench per (link rate, world size); prints speed-up tables like the papers' Table 1."""
+    """One bench per (link rate, world size); prints speed-up tables like the papers' Table 1. Each
+    bench's logs go to its own folder (``log_dir/n{N}_{RATE}`` when ``log_dir`` is given)."""
     if not force:  # refuse before the first run starts, not after the small ones
         check_machine(dataclasses.replace(cfg, world_size=max(world_sizes)))
     points = []
@@ -252,7 +260,8 @@ def run_sweep(
             )
             if rate is None:
                 sub.mode = "loopback"
-            res = run_bench(sub, timeout=timeout, force=force)
+            logs = None if log_dir is None else str(Path(log_dir) / Path(sub.out_dir).name)
+            res = run_bench(sub, timeout=timeout, force=force, log_dir=logs)
             print(res["terminal"])
             points.append({"setting": setting, "testbed": res["testbed"], "summary": res["summary"]})
     baseline = cfg.baselines[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 from collections.abc import Sequence
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from lowband.errors import InvalidArgumentError, LowbandError
 
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")
+#: per-namespace files ``ip netns exec`` mounts over ``/etc`` (the testbed writes ``hosts`` there)
+NETNS_ETC = "/etc/netns"
 
 
 def run_cmd(cmd: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -80,9 +83,11 @@ def _kill_netns_pids(ns: str) -> None:
 
 
 def delete_netns(ns: str) -> bool:
-    """Kill what still runs in ``ns`` and delete it (its veths go with it); True if it is gone."""
+    """Kill what still runs in ``ns`` and delete it (its veths go with it) and its files under
+    :data:`NETNS_ETC`; True if it is gone."""
     _kill_netns_pids(ns)
     run_cmd(["ip", "netns", "del", ns], check=False)
+    shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
     return not os.path.exists(f"/run/netns/{ns}")
 
 
@@ -97,7 +102,26 @@ def clean(prefix: str = "lb") -> list[str]:
         raise LowbandError(f"lowband testbed clean: removing {', '.join(dead)} needs root")
     # machines before bridges, so no veth outlives its bridge namespace's deletion for long
     dead.sort(key=lambda n: n.endswith("-br"))
-    return [ns for ns in dead if delete_netns(ns)]
+    removed = [ns for ns in dead if delete_netns(ns)]
+    for name in _orphan_etc(prefix):  # a crash between deleting a namespace and its files
+        shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
+    return removed
+
+
+def _orphan_etc(prefix: str) -> list[str]:
+    """Folders under :data:`NETNS_ETC` of testbed namespaces that no longer exist, of dead owners."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)-\d+-m\d+$")
+    try:
+        names = os.listdir(NETNS_ETC)
+    except OSError:
+        return []
+    return [
+        n
+        for n in names
+        if (m := pattern.match(n))
+        and not _pid_alive(int(m.group(1)))
+        and not os.path.exists(f"/run/netns/{n}")
+    ]
 
 
 def check_prefix(prefix: str) -> None:

@@ -3,67 +3,28 @@
 Nothing here touches the system. A :class:`Layout` says how many emulated machines there are, each
 machine's :class:`LinkSpec` (uplink and downlink rate to the shared bridge, one-way delay on its
 receive path), how many ranks share a machine, and the rate of the machine-internal link. Rates are
-bits per second (``None`` = unshaped).
+bits per second (``None`` = unshaped), parsed as tc reads them (:mod:`lowband.testbed.rates`).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lowband.errors import InvalidArgumentError
+from lowband.testbed.rates import RateLike, format_rate, parse_rate
 
-RateLike = str | float | int | None
-
-_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-_RATE_RE = re.compile(
-    r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmgt]?)(?:bit|bits|b|bps)?(?:/s)?\s*$", re.I
-)
-
-
-def parse_rate(rate: RateLike) -> float | None:
-    """A rate in bits per second: ``"100mbit"``, ``"1gbit"``, ``"10Mbit/s"``, ``"500kbit"``, ``1e8``.
-
-    ``None`` (and the strings ``"none"``/``"unlimited"``/``"inf"``) mean unshaped and give ``None``.
-    Units are decimal (1 Mbit = 1e6 bits) as in ``tc``. A zero, negative or malformed rate raises
-    :class:`InvalidArgumentError`.
-    """
-    if rate is None:
-        return None
-    if isinstance(rate, bool):
-        raise InvalidArgumentError(f"testbed rate: expected a rate such as '100mbit' or bits/s, got {rate!r}")
-    if isinstance(rate, int | float):
-        value = float(rate)
-    elif isinstance(rate, str):
-        if rate.strip().lower() in ("none", "unlimited", "inf", "unshaped"):
-            return None
-        m = _RATE_RE.match(rate)
-        if m is None:
-            raise InvalidArgumentError(
-                f"testbed rate: cannot parse {rate!r}; use e.g. '100mbit', '1gbit', '10Mbit/s', '500kbit' "
-                "or a number of bits per second"
-            )
-        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    else:
-        raise InvalidArgumentError(
-            f"testbed rate: expected a str, a number of bits/s or None, got {type(rate).__name__}"
-        )
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidArgumentError(f"testbed rate: must be a finite number of bits/s > 0, got {rate!r}")
-    return value
-
-
-def format_rate(bits_per_s: float | None) -> str:
-    """``1e8`` -> ``"100 Mbit/s"``; ``None`` -> ``"unshaped"``."""
-    if bits_per_s is None:
-        return "unshaped"
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bits_per_s >= scale:
-            return f"{bits_per_s / scale:g} {unit}"
-    return f"{bits_per_s:g} bit/s"
-
+__all__ = [
+    "DEFAULT_MTU",
+    "Layout",
+    "LinkSpec",
+    "RateLike",
+    "build_layout",
+    "check_mtu",
+    "format_rate",
+    "parse_rate",
+]
 
 #: default MTU of the emulated links: jumbo frames, as in data-center networks. At 1500 the kernel's
 #: per-packet work for 4 ranks at 100 Mbit/s (veth, bridge, tbf's throttling timer) took 30-40% of this

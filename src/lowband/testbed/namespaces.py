@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lowband.errors import InvalidArgumentError
-from lowband.testbed.leftovers import have_root, run_cmd
+from lowband.testbed.leftovers import NETNS_ETC, have_root, run_cmd
 from lowband.testbed.links import DEFAULT_MTU, Layout
 
 if TYPE_CHECKING:
@@ -86,19 +86,48 @@ def _tbf(ns: str, dev: str, rate: float, mtu: int) -> None:
     run_cmd(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *tbf_args(rate, mtu)])
 
 
+def write_hosts(ns: str, addresses: list[str]) -> None:
+    """Give the processes of namespace ``ns`` a hosts file naming every machine's address
+    (``lowband-m0`` ..., IPv4 and IPv4-mapped IPv6) after this machine's own ``/etc/hosts``: ``ip netns exec`` mounts
+    ``/etc/netns/NS/hosts`` over ``/etc/hosts`` for them. Without it, torch's TCP store looks up the
+    name of each rank that connects, the namespace reaches no DNS server, and c10d warns "The hostname
+    of the client socket cannot be retrieved" once per rank."""
+    try:
+        with open("/etc/hosts", encoding="utf-8", errors="replace") as f:
+            own = f.read()
+    except OSError:
+        own = "127.0.0.1 localhost\n::1 localhost\n"
+    # torch's store listens on a dual-stack socket: it sees its clients as IPv4-mapped IPv6 addresses
+    pairs = [(addr, f"lowband-m{m}") for m, addr in enumerate(addresses)] + [("127.0.0.1", "localhost")]
+    names = "".join(f"{a} {n}\n::ffff:{a} {n}\n" for a, n in pairs) + "::1 localhost\n"
+    folder = os.path.join(NETNS_ETC, ns)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hosts"), "w", encoding="utf-8") as f:
+            f.write(own.rstrip("\n") + "\n# lowband testbed machines\n" + names)
+    except OSError as e:  # a read-only /etc: the ranks run, and c10d may warn
+        print(
+            f"lowband.testbed: cannot write {folder}/hosts ({e}); c10d may warn about host names",
+            file=sys.stderr,
+        )
+
+
 def build_links(
     layout: Layout, bridge_ns: str, machine_ns: Callable[[int], str], address: Callable[[int], str], mtu: int
 ) -> list[Delayer]:
     """Create the bridge namespace and one namespace per machine, linked by veth pairs with their
-    rate limits (and delays: the started delayers are returned, to be stopped on tear-down)."""
+    rate limits (and delays: the started delayers are returned, to be stopped on tear-down), and each
+    machine's hosts file (:func:`write_hosts`)."""
     br = bridge_ns
     delayers: list[Delayer] = []
+    addresses = [address(m) for m in range(layout.n_machines)]
     run_cmd(["ip", "netns", "add", br])
     run_cmd(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"])
     run_cmd(["ip", "-n", br, "link", "set", BRIDGE, "up"])
     for m, spec in enumerate(layout.machines):
         ns, port = machine_ns(m), f"vm{m}"
         run_cmd(["ip", "netns", "add", ns])
+        write_hosts(ns, addresses)
         run_cmd(["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", RANK_IF, "netns", ns])
         run_cmd(["ip", "-n", br, "link", "set", port, "mtu", str(mtu), "master", BRIDGE, "up"])
         run_cmd(["ip", "-n", ns, "link", "set", RANK_IF, "mtu", str(mtu), "up"])

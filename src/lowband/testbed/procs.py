@@ -67,14 +67,18 @@ def wait_procs(
     grace: float = 30.0,
     exited: list[int] | None = None,
     stopped: list[int] | None = None,
+    killed: list[int] | None = None,
+    ended_at: dict[int, float] | None = None,
 ) -> list[int]:
     """:meth:`Testbed.wait` for any processes started with ``start_new_session=True``; ``exited``, when
     given, receives the indices of the processes in the order they were seen to end (of those seen in
-    one poll, the ones killed by a signal first: the others' errors follow from a peer's death).
+    one poll, the ones killed by a signal first: the others' errors follow from a peer's death), and
+    ``ended_at`` when each was seen ending (``time.time()``).
 
     Once one has failed, a process found stopped (state ``T``: SIGSTOP, a suspended job) is the likely
     cause of the others' timeouts and will not end by itself: it is killed at once and its index put
-    in ``stopped``; the others get ``grace`` seconds to end."""
+    in ``stopped``; the others get ``grace`` seconds to end, and those still running then are killed
+    and put in ``killed``."""
     if timeout <= 0 or grace < 0:
         raise InvalidArgumentError(
             f"lowband.testbed.wait: need timeout > 0 and grace >= 0, got {timeout}, {grace}"
@@ -83,6 +87,11 @@ def wait_procs(
     kill_at: float | None = None
     while True:
         codes = [p.poll() for p in procs]
+        if ended_at is not None:
+            now_wall = time.time()
+            for r, c in enumerate(codes):
+                if c is not None:
+                    ended_at.setdefault(r, now_wall)
         if exited is not None:
             new = [r for r, c in enumerate(codes) if c is not None and r not in exited]
             exited.extend(sorted(new, key=lambda r: (int(codes[r] or 0) >= 0, r)))
@@ -100,6 +109,8 @@ def wait_procs(
             continue
         if kill_at is not None and now >= kill_at:
             for r in running:
+                if killed is not None:
+                    killed.append(r)
                 kill_group(procs[r])
             continue
         if now >= deadline:

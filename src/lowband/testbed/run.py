@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from lowband.blame import LaunchFolders, RankEnd, ends_of_codes, read_reports, summary
 from lowband.errors import CommTimeoutError
+from lowband.rank_main import RANK_MAIN
 from lowband.testbed.links import Layout
 from lowband.testbed.netns import Testbed
 from lowband.testbed.procs import wait_procs
@@ -58,25 +60,59 @@ def run_script(
     report: str | None = None,
     grace: float = GRACE_S,
     out: IO[str] | None = None,
+    log_dir: str | None = None,
 ) -> int:
-    """Run ``python ARGV`` on every rank of ``layout`` in the testbed; print the link bytes; returns the
-    exit status (0, or 1 when a rank failed or the time limit passed). Everything the testbed made is
+    """Run ``python ARGV`` on every rank of ``layout`` in the testbed (through :mod:`lowband.rank_main`:
+    ``ARGV`` is ``SCRIPT ARGS`` or ``-m MODULE ARGS``); print the link bytes; returns the exit status
+    (0, or 1 when a rank failed or the time limit passed, after one line per distinct cause on stderr:
+    :func:`lowband.blame.summary`). Each rank's Python output and traceback go to ``log_dir/rankR.log``
+    too (default: a temporary folder, kept and named when a rank failed). Everything the testbed made is
     removed on return, on an exception and on SIGINT/SIGTERM."""
     out = out or sys.stdout
     limit = math.inf if time_limit is None else time_limit
-    with Testbed(layout, mode=mode, mtu=mtu) as tb:
-        print(f"lowband run: {tb.label()}", file=sys.stderr, flush=True)
-        before = tb.link_bytes()
-        procs = tb.spawn([sys.executable, *argv], env={"PYTHONUNBUFFERED": "1", **(env or {})})
-        timed_out, order, stopped = "", list[int](), list[int]()
-        try:
-            codes = wait_procs(procs, limit, grace=grace, exited=order, stopped=stopped)
-        except CommTimeoutError as exc:
-            timed_out = str(exc)
-            codes = [p.returncode if p.returncode is not None else -9 for p in procs]
-        after = tb.link_bytes()
-        label, shaped = tb.label(), tb.shaped
-    failed = [(r, c) for r, c in enumerate(codes) if c != 0]
+    folders = LaunchFolders(log_dir, "lowband-run")
+    ends: dict[int, RankEnd] = {}
+    try:
+        with Testbed(layout, mode=mode, mtu=mtu) as tb:
+            print(f"lowband run: {tb.label()}", file=sys.stderr, flush=True)
+            before = tb.link_bytes()
+            rank_env = {"PYTHONUNBUFFERED": "1", **folders.env(), **(env or {})}
+            procs = tb.spawn([sys.executable, RANK_MAIN, *argv], env=rank_env)
+            timed_out, stopped, killed, ended_at = "", list[int](), list[int](), dict[int, float]()
+            try:
+                codes = wait_procs(
+                    procs, limit, grace=grace, stopped=stopped, killed=killed, ended_at=ended_at
+                )
+            except CommTimeoutError as exc:
+                timed_out = str(exc).replace("lowband.testbed.wait: ", "--time-limit: ")
+                codes = [p.returncode if p.returncode is not None else -9 for p in procs]
+            after = tb.link_bytes()
+            label, shaped = tb.label(), tb.shaped
+        _print_bytes(layout, label, shaped, before, after, out)
+        ends = ends_of_codes(codes, ended_at, killed)
+        if timed_out:
+            print(f"lowband run: {timed_out}", file=sys.stderr)
+        elif ends:
+            seen = {r: ended_at.get(r, time.time()) for r in stopped}
+            lines = summary(
+                ends, read_reports(folders.reports), seen, "lowband run", folders.logs, "lowband run"
+            )
+            print("\n".join(lines), file=sys.stderr)
+        if report:
+            _write_report(Path(report), label, shaped, layout, codes, before, after)
+        return 1 if ends or timed_out else 0
+    finally:
+        folders.close(ends)
+
+
+def _print_bytes(
+    layout: Layout,
+    label: str,
+    shaped: bool,
+    before: list[dict[str, int]],
+    after: list[dict[str, int]],
+    out: IO[str],
+) -> None:
     if shaped:
         print(f"lowband run: bytes on the emulated links ({label}; kernel interface counters):", file=out)
         for line in byte_lines(layout, before, after):
@@ -86,31 +122,6 @@ def run_script(
             f"lowband run: {label}; bytes not measured (every rank shares this machine's loopback)",
             file=out,
         )
-    if timed_out:
-        print(f"lowband run: {timed_out}", file=sys.stderr)
-    elif failed:
-        print(f"lowband run: {blame_line(codes, order, stopped, grace)}", file=sys.stderr)
-    if report:
-        _write_report(Path(report), label, shaped, layout, codes, before, after)
-    return 1 if failed or timed_out else 0
-
-
-def blame_line(codes: list[int], order: list[int], stopped: list[int], grace: float) -> str:
-    """The rank that failed first, named: a rank found stopped (state T) when the first failure came
-    outranks every exit (the others timed out waiting for it); else the first rank seen to fail (a
-    signal death first among those seen at once)."""
-    tail = f"exit codes {codes} (a rank still running {grace:g} s after the first failure is stopped)"
-    if stopped:
-        return (
-            f"rank {stopped[0]} stopped answering first (its process was stopped, state T: SIGSTOP, a "
-            f"suspended job, a debugger; killed once another rank failed); {tail}"
-        )
-    first = next((r for r in order if codes[r] != 0), next(r for r, c in enumerate(codes) if c != 0))
-    code = codes[first]
-    if code < 0:
-        name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
-        return f"rank {first} was killed by {name} (exit code {code}) first; {tail}"
-    return f"rank {first} exited with code {code} first; {tail}"
 
 
 def _write_report(
