@@ -22,6 +22,8 @@ The topology check runs on a strategy's first step only; the layer layout is che
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -29,13 +31,13 @@ from torch import nn
 from lowband.decentral.atc import AdaptThenCombineOptimizer
 from lowband.decentral.awc import AdaptWithCombineOptimizer
 from lowband.decentral.gradient_allreduce import GradientAllreduceOptimizer
-from lowband.decentral.optim_base import CommunicationType, DecentralizedOptimizer, WrapperBase
+from lowband.decentral.optim_base import CommunicationType, DecentralizedOptimizer
 from lowband.decentral.winput import WinPutOptimizer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.options import Opt, Options
 from lowband.runtime import current
-from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import (
@@ -66,9 +68,11 @@ NEIGHBOR_OPTIONS = Options(
 
 
 class DecentralStrategy(Strategy):
-    """A strategy around a :class:`DecentralizedOptimizer`: before each step it sets the communication
-    type (neighbor averaging, or a global allreduce every ``allreduce_every``-th communication) and the
-    topology check (first step only)."""
+    """A strategy around a :class:`DecentralizedOptimizer`: before each step's forward (at construction,
+    after each step and after a load, so whichever loop steps) it sets the communication type (neighbor
+    averaging, or a global allreduce every ``allreduce_every``-th communication) and the topology check
+    (first step only). ``accumulate=J``: the optimizer communicates once per ``period * J`` passes
+    (BlueFog's ``num_steps_per_communication`` counts passes), the strategy steps every J."""
 
     optimizer: DecentralizedOptimizer
     base_type = CommunicationType.neighbor_allreduce
@@ -85,17 +89,35 @@ class DecentralStrategy(Strategy):
         #: whether a neighbor-averaging step leaves every replica identical (one machine, hierarchical)
         self.neighbor_is_global = False
         self._global = group.size == 1
+        self._prepare()
 
-    def train_step(self, loss_fn: LossFn) -> float:
+    def _prepare(self) -> None:
+        """The next step's knobs (its communication type, whether it checks the topology)."""
         opt = self.optimizer
         opt.enable_topo_check = not self._checked
-        self._checked = True
         t = opt.steps + 1
-        rounds = t // self.period if t % self.period == 0 else 0
-        use_allreduce = rounds > 0 and self.allreduce_every > 0 and rounds % self.allreduce_every == 0
-        opt.communication_type = CommunicationType.allreduce if use_allreduce else self.base_type
-        self._global = self.group.size == 1 or use_allreduce or (self.neighbor_is_global and rounds > 0)
-        return super().train_step(loss_fn)
+        self._rounds = t // self.period if t % self.period == 0 else 0
+        every = self.allreduce_every
+        self._allreduce = self._rounds > 0 and every > 0 and self._rounds % every == 0
+        opt.communication_type = CommunicationType.allreduce if self._allreduce else self.base_type
+
+    def after_step(self) -> None:
+        self._global = (
+            self.group.size == 1 or self._allreduce or (self.neighbor_is_global and self._rounds > 0)
+        )
+        self._checked = True
+        self._prepare()
+
+    def configure_accumulation(self, passes: int) -> None:
+        opt = self.optimizer
+        opt.num_steps_per_communication = self.period * passes
+        layerwise = getattr(opt, "layerwise", None)
+        if layerwise is not None:  # ATC counts backward passes on its layers' stage
+            layerwise.stage.accumulate = opt.num_steps_per_communication
+
+    @contextlib.contextmanager
+    def local_pass(self) -> Iterator[None]:
+        yield  # the optimizer counts passes itself (configure_accumulation)
 
     def synchronize(self) -> None:
         self.optimizer.synchronize()
@@ -119,6 +141,7 @@ class DecentralStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.synchronize()
         super().load_state_dict(state)
+        self._prepare()
 
     def close(self) -> None:
         self.optimizer.remove_hooks()
@@ -191,9 +214,18 @@ class HierarchicalATCStrategy(DecentralStrategy):
 
 
 class _WrapperStrategy(Strategy):
-    """A strategy around a wrapper whose communication needs no per-step settings."""
+    """A strategy around a wrapper whose communication needs no per-step settings. ``accumulate=J``: the
+    wrapper communicates once per ``period * J`` passes (it counts them), the strategy steps every J."""
 
-    optimizer: WrapperBase
+    optimizer: GradientAllreduceOptimizer | WinPutOptimizer
+    period = 1
+
+    def configure_accumulation(self, passes: int) -> None:
+        self.optimizer.num_steps_per_communication = self.period * passes
+
+    @contextlib.contextmanager
+    def local_pass(self) -> Iterator[None]:
+        yield  # the wrapper counts passes itself (configure_accumulation)
 
     def synchronize(self) -> None:
         self.optimizer.synchronize()

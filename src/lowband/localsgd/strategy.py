@@ -14,11 +14,12 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   profile's JSON path, or a :class:`CostProfile`), scheduled at construction; ``profile=PATH`` of a file
   that does not exist yet profiles lazily (below) and rank 0 saves the profile there, so every later run
   with the same PATH (visible to every rank) schedules from it; else the model is profiled
-  lazily at the first :meth:`train_step`, on its batch, before training on it: ``profile_model`` runs
-  a few extra forward/backward passes with the optimizer hooks off and leaves the model unchanged, so
-  training is exactly as if that profile had been given. Lazy profiling also measures the
-  compute/communication interference (``kappa``/``sigma``, ``profile_model(interference=True)``) the
-  schedulers then account for; ``report()`` shows both. Profiles are reduced across ranks, so every
+  lazily at the first step, on its batch, before training on it (``train_step`` profiles its
+  ``loss_fn``; the documented loop's first training forward through ``s.module`` profiles a replay of
+  itself, :mod:`lowband.strategies.replay`): ``profile_model`` runs a few extra forward/backward passes
+  and leaves the model unchanged, so training is exactly as if that profile had been given. Lazy
+  profiling also measures the compute/communication interference (``kappa``/``sigma``,
+  ``profile_model(interference=True)``) the schedulers then account for; ``report()`` shows both. Profiles are reduced across ranks, so every
   rank builds the same schedule; each (re)schedule is checked across ranks (one small allgather).
 - ``reprofile_drift > 0``: the per-layer averagings are timed in flight; at each period boundary the
   ranks agree (one 2-float allreduce) on the seconds per byte they achieved, the first period after a
@@ -74,6 +75,7 @@ from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
 from lowband.options import Opt, Options, Rule
 from lowband.strategies.base import LossFn, OptimizerFactory
 from lowband.strategies.registry import register_strategy
+from lowband.strategies.replay import ForwardReplay
 
 DEFAULT_PERIOD = 5
 
@@ -186,6 +188,11 @@ class PartialSyncStrategy(ScheduledStrategy):
         lw.refuse_restep = True  # every iteration ends with step(): a second backward before it is an error
         super().__init__(model, lw, group)
         self.averager.attach(model, lw.optimizers)
+        # without a schedule, the first training forward (train_step's or the user's loop's) profiles first
+        self._profiling = False
+        self._replay = ForwardReplay(
+            model, lambda: self.schedule is None and not self._profiling, self._profile_first, where=where
+        )
         try:
             if schedule is not None:
                 if profile is not None:
@@ -212,29 +219,43 @@ class PartialSyncStrategy(ScheduledStrategy):
             raise
 
     # -- training ---------------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor) -> None:
+    def run_backward(self, loss: torch.Tensor) -> None:
         if self.schedule is None:
             raise InvalidArgumentError(
-                f"{self._where}: no schedule yet; call train_step (it profiles on its first batch), or "
-                "give profile= or schedule="
+                f"{self._where}: no schedule yet; the first training forward through s.module profiles the "
+                "model on its batch (or call train_step, or give profile= or schedule=)"
             )
+        if not self.syncing:  # an accumulating pass (accumulate=J): no layer stepped, nothing averaged
+            loss.backward()  # type: ignore[no-untyped-call]
+            return
         self.averager.begin(self.steps, self.schedule.layers_at(self.steps))
         loss.backward()  # type: ignore[no-untyped-call]
         self.averager.flush()
 
     def train_step(self, loss_fn: LossFn) -> float:
-        """One local iteration (see the module doc); profiles and schedules first if there is no schedule."""
+        """One local iteration (see the module doc); without a schedule, profiles on ``loss_fn`` first
+        (the loop's first forward profiles on a replay of itself instead: ``_profile_first``)."""
         if self.schedule is None:
+            self._profile_first(loss_fn)
+        return super().train_step(loss_fn)
+
+    def _profile_first(self, loss_fn: LossFn) -> None:
+        """Profile on this batch and schedule (module doc: lazy profiling); rank 0 saves the profile to
+        ``profile=PATH`` when that file did not exist."""
+        self._profiling = True  # its passes' forwards are not the first step's
+        try:
             self._profile_now(loss_fn)
-            if self.profile_path is not None and self.group.rank == 0 and self.profile is not None:
-                save_profile_atomic(self.profile, self.profile_path)
-        loss = super().train_step(loss_fn)
+        finally:
+            self._profiling = False
+        if self.profile_path is not None and self.group.rank == 0 and self.profile is not None:
+            save_profile_atomic(self.profile, self.profile_path)
+
+    def after_step(self) -> None:
         self._after_step()
         if self.divergence_every and self.steps % self.divergence_every == 0:
             self.synchronize()
             gamma = model_divergence([ps for _, ps in self.averager.layers], group=self.averager.group)
             self.divergence_log.append((self.steps, gamma))
-        return loss
 
     def synchronize(self) -> None:
         """Wait for every in-flight averaging."""
@@ -346,6 +367,7 @@ class PartialSyncStrategy(ScheduledStrategy):
         self._agree("the restored schedule", [self._schedulecrc(), self.period])
 
     def close(self) -> None:
+        self._replay.remove()
         self.averager.detach()
         assert isinstance(self.optimizer, LayerwiseOptimizer)
         self.optimizer.remove_hooks()

@@ -2,16 +2,35 @@
 
 A strategy wraps a model and an optimizer (built by a factory, so the strategy decides which
 parameters the optimizer sees) and owns all the communication of data-parallel training. The training
-loop is the same for every strategy::
+loop is the same for every strategy, and it is the API: ``train_step`` is exactly this loop::
 
     s = make_strategy("ddp", model, workload.make_optimizer)   # or a torch optimizer instance
     for batch in batches:
-        loss = s.train_step(lambda m: workload.loss(m, batch))
-        # or, spelled out: s.zero_grad(); loss = workload.loss(s.module, batch); s.backward(loss);
-        #                  s.clip_grad_norm_(1.0)  (optional); s.step()
-    s.synchronize()                     # finish in-flight communication (before eval / checkpoint)
-    torch.save(s.state_dict(), path)    # everything needed to resume
+        s.zero_grad()
+        loss = workload.loss(s.module, batch)   # forward through s.module (DDP's wrapper for ddp)
+        s.backward(loss)
+        s.clip_grad_norm_(1.0)                  # optional
+        s.step()
+        # or, in one call: loss = s.train_step(lambda m: workload.loss(m, batch))  -> float
+    s.save("ckpt")                      # every rank: ckpt/rank{r}-of-{n}.pt, everything needed to resume
+    s.load("ckpt")                      # (a fresh strategy, every rank) restores it, whichever loop follows
     dense = s.average_model(make_model())  # collective: the consensus model, for evaluation or export
+
+The loop protocol. :meth:`zero_grad`, :meth:`backward`, :meth:`step` and :meth:`train_step` are the
+base class's and are not overridden; a strategy implements the hooks they call: :meth:`clear_gradients`,
+:meth:`run_backward` (one backward pass, the loss already scaled), :meth:`apply_step` (the update),
+:meth:`begin_step` and :meth:`after_step` (after :attr:`steps` counted it). What a strategy needs before a step's forward it
+arranges in :meth:`after_step` (for the next step), at construction and in :meth:`load_state_dict`, or in
+a forward pre-hook on its module (DDP's bucket rebuild after a resume, DreamDDP's first profile:
+:mod:`lowband.strategies.replay`), never in :meth:`train_step`, so both ways of stepping train alike.
+
+Accumulation (``accumulate=J``, an option of every strategy, :meth:`set_accumulate`): a step applies the
+gradients of J backward passes. :meth:`backward` scales each loss by 1/J (J micro-batches of a mean loss
+then make the gradient of their big batch), the first J-1 passes only accumulate ``.grad`` locally (no gradient
+communication, no layer stepped in backward: :meth:`local_pass`) and the J-th communicates. Both
+loops work unchanged: :meth:`step` and :meth:`zero_grad` between the first and the J-th backward do
+nothing, so ``J x (zero_grad, forward, backward, step)`` makes one step, as does ``zero_grad, J x
+(forward, backward), step``; :meth:`train_step` is one micro-batch. :attr:`steps` counts applied steps.
 
 Strategies integrate through PyTorch's own extension points (DDP and its comm hooks, torch's model
 averagers, optimizer step hooks, post-accumulate-grad hooks); none re-implements an optimizer.
@@ -39,31 +58,33 @@ to evaluate or export, for every strategy: replicated floating-point state avera
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from lowband.comm import collectives as comm
-from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError
+from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.nn.sharding import ShardSpec, gather_full, shard_specs
-from lowband.optim.nonfinite import NonFiniteGuard
-from lowband.optim.scaling import GradUnscaler
-from lowband.optim.stage import GradientStage
-from lowband.strategies import digest, sharded_state
+from lowband.strategies import checkpoint, digest, sharded_state
+from lowband.strategies.gradient_policy import GradientPolicies
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module], torch.Tensor]
 
 
-class Strategy:
+class Strategy(GradientPolicies):
     """A data-parallel training strategy on one rank.
 
     Subclasses set :attr:`name`, build their wrapped module and optimizer in ``__init__`` and
-    implement :meth:`backward`/:meth:`step` (the defaults do plain local autograd and an optimizer
-    step), and :meth:`in_sync` (whether every rank's replica is identical right now).
+    implement the loop's hooks (:meth:`run_backward`, :meth:`apply_step`, ...: the defaults do plain
+    local autograd and an optimizer step; never :meth:`backward`/:meth:`step` themselves), and
+    :meth:`in_sync` (whether every rank's replica is identical right now).
     """
 
     name: str = "strategy"
@@ -73,22 +94,6 @@ class Strategy:
     steps_in_backward: bool = False
     #: why :meth:`clip_grad_norm_` is refused (None: supported)
     no_clip_reason: str | None = None
-    #: why fp16 loss scaling (:meth:`set_grad_scaler`) is refused (None: supported). Refused unless a
-    #: strategy says how its gradients are unscaled before they are communicated or stepped.
-    no_grad_scaler_reason: str | None = (
-        "it has not been made safe for loss scaling (its gradients could be communicated or applied while "
-        "still scaled)"
-    )
-    #: with a scaler: unscale each unit before communicating it (True; the strategy wires
-    #: :attr:`unscaler` in :meth:`_attach_unscaler`) or ``.grad`` once before the step (False)
-    unscale_per_unit: bool = False
-    #: with a scaler: the ranks agree on inf/NaN before stepping (one 1-element allreduce per step);
-    #: False only where the gradients are identical on every rank already (DDP's allreduce) or the
-    #: ranks never communicate
-    agree_found_inf: bool = True
-    grad_scaler: torch.amp.GradScaler | None = None
-    unscaler: GradUnscaler | None = None
-    _grads_unscaled: bool = False
     #: the configuration every rank agreed on when make_strategy built it (lowband.strategies.digest);
     #: its options go into checkpoints and are compared when one is loaded (None: built directly)
     agreed_config: dict[str, str] | None = None
@@ -100,83 +105,119 @@ class Strategy:
         self.steps = 0
         self.shards: dict[str, ShardSpec] = shard_specs(model)
 
-    # -- what the training loop calls -------------------------------------------------------------
+    # -- the training loop (the protocol; strategies implement the hooks below) ----------------------
     @property
     def module(self) -> nn.Module:
         """The module to call forward on (a DDP wrapper, or the plain model)."""
         return self.local_module
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+        """Clear the gradients before a step's first backward; between the first and the J-th backward
+        of an accumulating step (``accumulate=J``) it keeps them."""
+        if self._passes == 0:
+            self.begin_step()
+            self.clear_gradients()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` (scaled by the grad scaler, if one is set)."""
-        self.scaled(loss).backward()  # type: ignore[no-untyped-call]
+        """One backward pass of ``loss`` (divided by ``accumulate``, then scaled by the grad scaler if one
+        is set). The J-th pass since the last step communicates; earlier ones accumulate locally."""
+        if self.accumulate > 1:
+            loss = loss / self.accumulate
+        with self.local_pass() if not self.syncing else contextlib.nullcontext():
+            self.run_backward(self.scaled(loss))
+        self._passes += 1
 
     def step(self) -> None:
+        """Apply the step (after the J-th backward; between the first and the J-th it does nothing) and
+        count it in :attr:`steps`."""
+        if 0 < self._passes < self.accumulate:
+            return
+        self.apply_step()
+        self._passes = 0
+        self.steps += 1
+        self.after_step()
+
+    def train_step(self, loss_fn: LossFn) -> float:
+        """The loop above in one call: zero_grad, forward (``loss_fn(self.module)``), backward, step.
+        Returns the loss (with ``accumulate=J``: of this micro-batch; every J-th call steps)."""
+        self.zero_grad()
+        loss = loss_fn(self.module)
+        self.backward(loss)
+        self.step()
+        # the protocol returns the loss as a float (the bench records every step's): one host sync
+        return float(loss.detach())
+
+    @property
+    def syncing(self) -> bool:
+        """Whether the coming (or running) backward pass is a step's J-th, the one that communicates
+        (every pass with ``accumulate=1``)."""
+        return self._passes + 1 >= self.accumulate
+
+    # the hooks
+    def begin_step(self) -> None:
+        """Called by :meth:`zero_grad` when a step begins: per-step marks (a step timer's start)."""
+
+    def clear_gradients(self) -> None:
+        """:meth:`zero_grad`'s work: the gradients the next backward accumulates into, cleared."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def run_backward(self, loss: torch.Tensor) -> None:
+        """:meth:`backward`'s work: one backward pass of ``loss`` (already divided and scaled); inside
+        :meth:`local_pass` when it is not the step's J-th."""
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def apply_step(self) -> None:
+        """:meth:`step`'s work: the update (:meth:`optimizer_step` by default)."""
         self.optimizer_step()
 
-    # -- fp16 loss scaling ------------------------------------------------------------------------
-    def set_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
-        """Train with fp16 loss scaling by ``scaler`` (see the module docstring); every rank, before the
-        first step. Raises :class:`InvalidArgumentError` where the strategy cannot do it correctly."""
-        where = f"{type(self).__name__}.set_grad_scaler on rank {self.group.world_rank}"
-        reason = self.no_grad_scaler_reason
-        if reason is None and self.steps_in_backward:
-            reason = "it steps each layer during backward, before the whole gradient is known to be finite"
-        if reason is not None:
+    def after_step(self) -> None:
+        """After a step, once :attr:`steps` counts it: per-step bookkeeping, and what the next step
+        needs in place before its forward."""
+
+    # -- accumulation ---------------------------------------------------------------------------
+    accumulate: int = 1
+    #: why ``accumulate > 1`` is refused (None: supported)
+    no_accumulate_reason: str | None = None
+    _passes = 0  # backward passes since the last step
+
+    def set_accumulate(self, passes: int) -> None:
+        """Apply the gradients of ``passes`` backward passes per step (see the module docstring);
+        :func:`~lowband.strategies.make_strategy` calls it (option ``accumulate``, default 1). Every rank
+        alike, before the first step."""
+        where = f"{type(self).__name__} (accumulate={passes!r}) on rank {self.group.world_rank}"
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise InvalidArgumentError(f"{where}: accumulate must be an int >= 1, got {passes!r}")
+        if passes > 1 and self.no_accumulate_reason is not None:
             raise InvalidArgumentError(
-                f"{where}: strategy {self.name!r} cannot train with fp16 loss scaling: {reason}; use bf16 "
-                "(--precision bf16: no scaler needed) or fp32"
+                f"{where}: strategy {self.name!r} cannot accumulate backward passes: "
+                f"{self.no_accumulate_reason}; use accumulate=1 and a larger batch"
             )
-        if self.grad_scaler is not None or self.steps:
-            raise InvalidArgumentError(f"{where}: set the grad scaler once, before the first step")
-        self.unscaler = GradUnscaler(
-            scaler, per_unit=self.unscale_per_unit, agree=self.agree_found_inf, where=where
-        )
-        self.grad_scaler = scaler
-        self._attach_unscaler(self.unscaler)
+        if self._passes:
+            raise InvalidArgumentError(f"{where}: set accumulate between steps, not after a backward")
+        self.accumulate = passes
+        self.configure_accumulation(passes)
 
-    def _attach_unscaler(self, unscaler: GradUnscaler) -> None:
-        """Strategies with :attr:`unscale_per_unit` hand ``unscaler`` to where units are communicated."""
+    def configure_accumulation(self, passes: int) -> None:
+        """Strategies whose communication counts passes itself (BlueFog's optimizers) set it here."""
 
-    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the grad scaler's scale (``loss`` itself without a scaler)."""
-        return loss if self.grad_scaler is None else self.grad_scaler.scale(loss)
+    @contextlib.contextmanager
+    def local_pass(self) -> Iterator[None]:
+        """Around a backward pass that is not a step's J-th: no gradient communication and no layer
+        stepped in it. By default every gradient stage of the strategy (:meth:`gradient_stages`) holds
+        its reductions (``GradientStage.no_sync``); strategies reducing elsewhere override it, or decide
+        before the forward from :attr:`syncing` (DDP)."""
+        with contextlib.ExitStack() as stack:
+            for stage in self.gradient_stages():
+                stack.enter_context(stage.no_sync())
+            yield
 
-    def unscale_gradients(self) -> None:
-        """With a grad scaler: the gradients in ``.grad`` unscaled (once per step) and the ranks' inf/NaN
-        flags agreed and recorded for the optimizer; nothing without one. Call after
-        :meth:`finish_gradients`."""
-        if self.unscaler is None or self._grads_unscaled:
-            return
-        self.unscaler.finish(self.optimizer, self.group)
-        self._grads_unscaled = True
-
-    def optimizer_step(self) -> None:
-        """The wrapped optimizer's step; with a grad scaler, after :meth:`unscale_gradients`, skipped on
-        every rank when any rank's gradients held inf/NaN, then the scale updated."""
-        if not self.check_nonfinite():
-            return  # skipped on every rank: no optimizer step (nor a model averager's count or average)
-        if self.grad_scaler is None:
-            self.optimizer.step()
-            return
-        self.unscale_gradients()
-        # GradScaler.step decides on the host whether to skip: it reads the agreed flag (a host
-        # synchronisation on accelerators, unavoidable: skipping is host control flow)
-        self.grad_scaler.step(self.optimizer)
-        self.grad_scaler.update()
-        self._grads_unscaled = False
-
-    def finish_gradients(self) -> None:
-        """Complete the gradient communication of the last backward (the gradients in ``.grad`` are the
-        ones :meth:`step` will apply once this returns)."""
-
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float | None:
         """Between :meth:`backward` and :meth:`step`: clip the gradients :meth:`step` will apply (after
         their communication, :meth:`finish_gradients`) to total norm ``max_norm``, as
-        ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping. Strategies that step
-        in backward (or otherwise cannot) raise :class:`InvalidArgumentError` instead."""
+        ``torch.nn.utils.clip_grad_norm_``; returns the total norm before clipping. Between the first
+        and the J-th backward of an accumulating step it clips nothing and returns None (the gradients
+        are not complete yet). Strategies that step in backward (or otherwise cannot) raise
+        :class:`InvalidArgumentError` instead."""
         where = f"{type(self).__name__}.clip_grad_norm_ on rank {self.group.world_rank}"
         reason = self.no_clip_reason
         if reason is None and self.steps_in_backward:
@@ -188,21 +229,13 @@ class Strategy:
             raise InvalidArgumentError(
                 f"{where}: strategy {self.name!r} cannot clip gradients between backward and step: {reason}"
             )
+        if 0 < self._passes < self.accumulate:
+            return None
         self.finish_gradients()
         self.unscale_gradients()  # clip true gradients, not scaled ones
         grads = [p for p in self.local_module.parameters() if p.grad is not None]
         # the norm is returned as a float (the protocol's, torch's own is a tensor): a host sync
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type))
-
-    def train_step(self, loss_fn: LossFn) -> float:
-        """One iteration: zero grads, forward (``loss_fn(self.module)``), backward, step. Returns the loss."""
-        self.zero_grad()
-        loss = loss_fn(self.module)
-        self.backward(loss)
-        self.step()
-        self.steps += 1
-        # the protocol returns the loss as a float (the bench records every step's): one host sync
-        return float(loss.detach())
 
     def synchronize(self) -> None:
         """Finish all in-flight communication (nothing is in flight between steps by default)."""
@@ -230,62 +263,6 @@ class Strategy:
         hi = comm.allreduce(flat, op="max", group=self.group)
         lo = comm.allreduce(flat, op="min", group=self.group)
         return float((hi - lo).abs().max()) if flat.numel() else 0.0
-
-    # -- the non-finite policy (lowband.optim.nonfinite) ------------------------------------------
-    nonfinite: NonFiniteGuard | None = None
-    #: why on_nonfinite="skip" is refused (None: supported, unless the strategy steps in backward)
-    no_skip_reason: str | None = None
-
-    def set_nonfinite(self, policy: str) -> None:
-        """Catch non-finite gradients by ``policy`` ("raise", "skip" or "off", :mod:`lowband.optim.nonfinite`);
-        :func:`~lowband.strategies.make_strategy` calls it (option ``on_nonfinite``, default "raise").
-        Every rank alike, before the first step."""
-        where = f"{type(self).__name__} (on_nonfinite={policy!r}) on rank {self.group.world_rank}"
-        reason = self.no_skip_reason
-        if reason is None and self.steps_in_backward:
-            reason = "it steps each layer during backward, before the whole gradient is known to be finite"
-        if policy == "skip" and reason is not None:
-            raise InvalidArgumentError(
-                f"{where}: strategy {self.name!r} cannot skip a step: {reason}; use on_nonfinite='raise'"
-            )
-        self.nonfinite = NonFiniteGuard(
-            policy, self.group, where=where, step=lambda: self.steps, channel=self.nonfinite_channel()
-        )
-        for stage in self.gradient_stages():
-            self.nonfinite.attach(stage)
-
-    def nonfinite_channel(self) -> Group | None:
-        """A private group to agree the non-finite flags on, for strategies whose data group another
-        thread uses at step time (None: the data group)."""
-        return None
-
-    def gradient_stages(self) -> list[GradientStage]:
-        """The gradient stages whose units the non-finite guard checks before they are communicated or
-        stepped: by default those held as ``stage`` by the strategy, its optimizer, or the optimizer's
-        ``layerwise`` part; strategies keeping stages elsewhere override it."""
-        owners = (self, self.optimizer, getattr(self.optimizer, "layerwise", None))
-        found = [getattr(o, "stage", None) for o in owners]
-        return [s for i, s in enumerate(found) if isinstance(s, GradientStage) and s not in found[:i]]
-
-    def check_nonfinite(self) -> bool:
-        """Before stepping, once per step, on every rank: the gradients' finiteness agreed (one tiny
-        allreduce and one host read); raises :class:`~lowband.errors.NonFiniteError` on every rank
-        (policy "raise") or returns False with every gradient set to None (policy "skip": the optimizer
-        step that follows updates nothing); True to step. With a grad scaler the scaler decides."""
-        guard = self.nonfinite
-        if guard is None or self.grad_scaler is not None:
-            return True
-        self.finish_gradients()
-        covered = guard.covered()
-        try:
-            return guard.decide(
-                [(n, p) for n, p in self.local_module.named_parameters() if id(p) not in covered]
-            )
-        except (CommFailedError, CommTimeoutError) as exc:  # a dead or stopped peer, met at the agreement
-            raise type(exc)(
-                f"strategy {self.name!r}: the non-finite check at step {self.steps} on rank "
-                f"{self.group.world_rank}: {exc}"
-            ) from exc
 
     # -- consensus for evaluation and export ------------------------------------------------------
     def average_state_dict(self) -> dict[str, torch.Tensor]:
@@ -331,8 +308,27 @@ class Strategy:
         hp = ", ".join(f"{k}={v}" for k, v in self.hparams().items())
         return f"{self.name}({hp})" if hp else self.name
 
+    def save(self, folder: str | os.PathLike[str]) -> Path:
+        """Collective: this rank's :meth:`state_dict` written atomically to ``folder/rank{r}-of-{n}.pt``
+        (one file per rank; :mod:`lowband.strategies.checkpoint`); returns the file. Call it between
+        steps, on every rank of the group."""
+        return checkpoint.save(self, folder)
+
+    def load(self, folder: str | os.PathLike[str]) -> Path:
+        """Collective: this rank's file of ``folder`` (written by :meth:`save` at the same world size)
+        read with ``weights_only=True`` and loaded (:meth:`load_state_dict`); returns the file. A missing
+        or unreadable file on any rank raises on every rank, naming the rank and the file."""
+        return checkpoint.load(self, folder)
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume on this rank (its own shards, with their layout)."""
+        """Everything needed to resume on this rank (its own shards, with their layout); between steps
+        (not between the first and the J-th backward of an accumulating step). Strategies complete
+        first what is in flight and cannot be saved (reductions whose updates are still due)."""
+        if 0 < self._passes < self.accumulate:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}.state_dict on rank {self.group.world_rank}: {self._passes} of "
+                f"{self.accumulate} backward passes of the step are accumulated; save after step()"
+            )
         state = {
             "strategy": self.name,
             "steps": self.steps,
@@ -375,37 +371,8 @@ class Strategy:
 
     def _localize(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` with this rank's slices of every sharded tensor (re-sharding a full checkpoint)."""
-        lay = state.get("sharding")
-        if not self.shards and lay is None:
-            return state
         where = f"{type(self).__name__}.load_state_dict on rank {self.group.rank}"
-        saved_names = sorted(lay["params"]) if lay is not None else []
-        if lay is None or saved_names != sorted(self.shards):
-            raise InvalidArgumentError(
-                f"{where}: the checkpoint's sharded parameters {saved_names} are not this model's {sorted(self.shards)}"
-            )
-        saved = {n: ShardSpec.from_dict(d) for n, d in lay["params"].items()}
-        for n, spec in self.shards.items():
-            if (saved[n].dim, saved[n].global_shape) != (spec.dim, spec.global_shape):
-                raise InvalidArgumentError(
-                    f"{where}: {n!r} was saved cut along dim {saved[n].dim} of {saved[n].global_shape}, "
-                    f"this model cuts dim {spec.dim} of {spec.global_shape}"
-                )
-        if lay["full"]:
-            return sharded_state.map_sharded(
-                state,
-                saved,
-                lay["optimizer_names"],
-                lambda n, _s, t: self.shards[n].slice(t),
-                shard_shape=lambda s: s.global_shape,
-            )
-        if any(saved[n] != self.shards[n] for n in self.shards):
-            raise InvalidArgumentError(
-                f"{where}: the checkpoint holds the shards of rank {lay['rank']} of a world of "
-                f"{lay['world_size']}, this rank (of {self.group.size}) holds other slices; load a full "
-                f"checkpoint (Strategy.full_state_dict(), or assemble_state_dicts of every rank's checkpoint)"
-            )
-        return state
+        return sharded_state.localize(state, self.shards, self.group.size, where)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("strategy") != self.name:
@@ -415,7 +382,7 @@ class Strategy:
             )
         digest.check_checkpoint(self, state)  # collective: the ranks load one save, of these options
         state = self._localize(state)
-        self.steps = int(state["steps"])
+        self.steps, self._passes = int(state["steps"]), 0
         self.local_module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.load_extra_state(state.get("extra", {}))

@@ -28,15 +28,15 @@ import torch
 
 from lowband.compress.reducer import Timings
 from lowband.optim.stage import GradientStage
-from lowband.strategies.base import LossFn, Strategy
+from lowband.strategies.base import Strategy
 
 PARTS = ("compute_s", "compression_s", "comm_s")
 
 
 @dataclass
 class StepClock:
-    """Marks taken by a stage strategy's ``train_step``: :meth:`start`, :meth:`backward_done`,
-    :meth:`wait_done`, :meth:`stop` (a missing mark counts its phase as computation)."""
+    """Marks taken by a stage strategy's step: :meth:`start` (at its ``zero_grad``), :meth:`backward_done`,
+    :meth:`wait_done`, :meth:`stop` (after its step; a missing mark counts its phase as computation)."""
 
     stage: GradientStage
     timings: Timings | None = None
@@ -97,13 +97,14 @@ class ClockedStrategy(Strategy):
 
     clock: StepClock
 
-    def train_step(self, loss_fn: LossFn) -> float:
+    def begin_step(self) -> None:
+        super().begin_step()
         self.clock.start(self.steps)
-        try:
-            return super().train_step(loss_fn)
-        finally:
-            self.clock.stop()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        super().backward(loss)
+    def run_backward(self, loss: torch.Tensor) -> None:
+        super().run_backward(loss)
         self.clock.backward_done()
+
+    def after_step(self) -> None:
+        super().after_step()
+        self.clock.stop()

@@ -11,10 +11,15 @@ iteration on, in the order the first backward produced them. A DDP built to resu
 run its first step in parameter order: the allreduce then sums each element in another order (rounding
 differences at 3+ ranks) and PowerSGD's error memory and warm-start factors, kept per bucket, would be
 applied to the wrong layout. So a checkpoint records whether DDP had already run a backward, and the
-first :meth:`train_step` after :meth:`load_state_dict` first runs one extra forward and backward on its
-batch outside training (random state, module buffers and gradients put back, no optimizer step), only so
-that DDP rebuilds its buckets as the uninterrupted run did; the PowerSGD state is applied after it. The
-resumed run then matches the uninterrupted one bit for bit.
+first training forward after :meth:`load_state_dict` (``train_step``'s or the user's own loop's: a
+forward pre-hook on the DDP module, :class:`~lowband.strategies.replay.ForwardReplay`) is preceded by one
+extra forward and backward on its inputs outside training (random state, module buffers and gradients
+put back, no optimizer step), only so that DDP rebuilds its buckets as the uninterrupted run did; the
+PowerSGD state is applied after it. The resumed run then matches the uninterrupted one bit for bit.
+
+Accumulation (``accumulate=J``): the same pre-hook sets DDP's ``require_backward_grad_sync`` before
+every forward (what ``DDP.no_sync()`` sets), off for a step's first J-1 passes: their gradients
+accumulate in ``.grad`` and the J-th pass's backward reduces the sum, bucket by bucket.
 
 fp16 loss scaling (:meth:`Strategy.set_grad_scaler`). ``ddp`` takes torch's own path: DDP averages the
 scaled gradients, so every rank holds the same ones (an overflow on any rank is inf/NaN in everyone's
@@ -45,6 +50,7 @@ from lowband.optim.scaling import GradUnscaler
 from lowband.options import Opt, Options
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
+from lowband.strategies.replay import ForwardReplay
 from lowband.strategies.torchcomm import comm_errors
 
 #: torch's own stateless DDP comm hooks that work on gloo (``ddp:hook=fp16``); bf16_compress_hook fails
@@ -53,6 +59,19 @@ _TORCH_HOOKS: dict[str, Any] = {"none": None, "fp16": default_hooks.fp16_compres
 
 
 _BUCKET_CAP = Opt(float, min=0.001, unit="MB", doc="DDP's bucket size (bucket_cap_mb)")
+
+
+class _DDP(DistributedDataParallel):
+    """torch's DDP, whose forward's own communication (the bucket rebuild after the first backward,
+    buffer broadcasts) fails as lowband's errors do, naming the strategy and the rank, whichever loop
+    calls it (:mod:`lowband.strategies.torchcomm`)."""
+
+    lowband_errors: tuple[str, Group]
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        name, group = self.lowband_errors
+        with comm_errors(name, "forward (DDP's bucket rebuild, buffer broadcast)", group):
+            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
 
 
 @register_strategy(
@@ -85,49 +104,61 @@ class DDPStrategy(Strategy):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.hook = hook
         # DDP broadcasts rank 0's model itself (once: not when make_strategy is told broadcast_init=False)
-        self.ddp = DistributedDataParallel(
+        self.ddp = _DDP(
             model,
             process_group=group.pg,
             bucket_cap_mb=self.bucket_cap_mb,
             init_sync=claim_initial_broadcast(),
         )
+        self.ddp.lowband_errors = (self.name, group)
         if _TORCH_HOOKS[hook] is not None:
             self.ddp.register_comm_hook(group.pg, _TORCH_HOOKS[hook])
         super().__init__(model, make_optimizer(model.parameters()), group)
         self._ran_backward = False  # DDP has seen a backward: its buckets follow the gradient order
         self._rebucket_pending = False  # loaded from a checkpoint taken after a backward
+        self._sync_hook = self.ddp.register_forward_pre_hook(self._before_forward)
+        self._replay = ForwardReplay(
+            self.ddp, lambda: self._rebucket_pending, self._rebucket, where=f"strategy {self.name!r}"
+        )
 
     @property
     def module(self) -> nn.Module:
         return self.ddp
 
+    def _before_forward(self, _module: nn.Module, _args: Any) -> None:
+        # DDP reads it in this forward: whether the coming backward reduces (accumulate; the rebucketing
+        # pass always does)
+        self.ddp.require_backward_grad_sync = self.syncing or self._replay.running
+
     def hparams(self) -> dict[str, Any]:
         return {"bucket_cap_mb": self.bucket_cap_mb, **({"hook": self.hook} if self.hook != "none" else {})}
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def run_backward(self, loss: torch.Tensor) -> None:
+        syncing = self.syncing
         with comm_errors(self.name, "backward (DDP bucket allreduce)", self.group):
-            super().backward(loss)
-        self._ran_backward = True
-
-    def train_step(self, loss_fn: LossFn) -> float:
-        with comm_errors(self.name, "train_step", self.group):
-            if self._rebucket_pending:
-                self._rebucket(loss_fn)
-            return super().train_step(loss_fn)
+            super().run_backward(loss)
+        self._ran_backward = self._ran_backward or syncing  # a reducing pass records the gradient order
 
     def _rebucket(self, loss_fn: LossFn) -> None:
         """One forward and backward that leaves no trace but DDP's rebuilt buckets (module docstring)."""
+        # the gradients so far (None after zero_grad), put back after the pass
+        grads = {p: None if p.grad is None else p.grad.clone() for p in self.local_module.parameters()}
         buffers = [b.detach().clone() for b in self.local_module.buffers()]
         cuda = sorted({p.get_device() for p in self.local_module.parameters() if p.is_cuda})
-        with torch.random.fork_rng(devices=cuda):
-            self.backward(loss_fn(self.ddp))
-        self.local_module.zero_grad(set_to_none=True)
+        what = "the bucket-rebuilding pass after a resume"
+        with comm_errors(self.name, what, self.group), torch.random.fork_rng(devices=cuda):
+            loss_fn(self.ddp).backward()  # type: ignore[no-untyped-call]
         with torch.no_grad():
+            for p, g in grads.items():
+                p.grad = g
             for b, saved in zip(self.local_module.buffers(), buffers, strict=True):
                 b.copy_(saved)
         self._rebucket_pending = False
+        self._ran_backward = True
         if self.unscaler is not None:
             self.unscaler.discard()  # that pass's overflow flags are not the next step's
+        if self.nonfinite is not None:
+            self.nonfinite.discard()
         self._after_rebucket()
 
     def _after_rebucket(self) -> None:
@@ -139,6 +170,10 @@ class DDPStrategy(Strategy):
     def load_extra_state(self, state: dict[str, Any]) -> None:
         # checkpoints written before this key existed resume as before (parameter-order first step)
         self._rebucket_pending = bool(state.get("ddp_ran_backward", False)) and not self._ran_backward
+
+    def close(self) -> None:
+        self._sync_hook.remove()
+        self._replay.remove()
 
 
 # PowerSGDState slots that change while training (the rest are the constructor's hyperparameters)

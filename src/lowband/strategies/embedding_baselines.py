@@ -171,7 +171,7 @@ class EmbeddingSyncStrategy(Strategy):
                 "dense-priority)"
             )
 
-    def step(self) -> None:
+    def apply_step(self) -> None:
         if self.stage is not None:
             self.stage.wait()
         devices = {n: e.weight.device for n, e in self.tables}
@@ -277,9 +277,9 @@ class DDPSparseStrategy(DDPStrategy):
             emb.sparse = True
         super().__init__(model, make_optimizer, group, bucket_cap_mb=bucket_cap_mb)
 
-    def step(self) -> None:
+    def apply_step(self) -> None:
         for _, emb in self.tables:
             g = emb.weight.grad
             if g is not None and g.is_sparse:
                 emb.weight.grad = g.to_dense()
-        super().step()
+        super().apply_step()

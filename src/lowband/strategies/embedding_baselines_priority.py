@@ -81,13 +81,13 @@ class DensePriorityStrategy(Strategy):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def zero_grad(self) -> None:
+    def clear_gradients(self) -> None:
         # layers still in flight keep their (averaged) gradients until their pre-hook steps them
         for i, opt in enumerate(self.lw.optimizers):
             if i not in self._pending:
                 opt.zero_grad(set_to_none=True)
 
-    def step(self) -> None:
+    def apply_step(self) -> None:
         self.synchronize()  # layers the last forward did not read
         self.check_nonfinite()  # the non-finite policy, before the gradients are sent (Strategy.check_nonfinite)
         chunk = int(self.chunk_mb * 2**20)
@@ -105,6 +105,10 @@ class DensePriorityStrategy(Strategy):
     def synchronize(self) -> None:
         for i in sorted(self._pending):
             self._finish(i)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()  # the layers still due are stepped (as their next forward would)
+        return super().state_dict()
 
     def hparams(self) -> dict[str, Any]:
         return {"chunk_mb": self.chunk_mb}

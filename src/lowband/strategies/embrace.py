@@ -155,6 +155,12 @@ class EmbraceStrategy(Strategy):
     ) -> None:  # fmt: skip
         where = f"strategy 'embrace' on rank {group.rank}"
         self.schedule, self.overlap, self.bucket_mb = schedule, overlap, float(bucket_mb)
+        if schedule in ("vertical", "2d"):  # (accumulate=J)
+            self.no_accumulate_reason = (
+                f"schedule={schedule!r} applies a pass's table rows before the next lookup reads them, "
+                "so a later pass of the same step would read updated rows; use schedule='hybrid' or "
+                "'horizontal'"
+            )
         refuse_tied(
             model,
             [m.weight for m in model.modules() if isinstance(m, nn.Embedding)],
@@ -217,7 +223,7 @@ class EmbraceStrategy(Strategy):
         self.stage = GradientStage(units, AllreduceReducer(), group=group, where=where)
 
     # -- training ---------------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def clear_gradients(self) -> None:
         if self.blocks is not None:
             self.blocks.zero_grad()
         else:
@@ -254,12 +260,11 @@ class EmbraceStrategy(Strategy):
             for one in calls.get(name, ()):
                 table.prefetch(one)
 
-    def train_step(self, loss_fn: Any) -> float:
-        if self.vertical is not None:
+    def after_step(self) -> None:
+        if self.vertical is not None:  # the next step's rows belong to its iteration (1-based)
             self.vertical.iteration = self.steps + 1
-        return super().train_step(loss_fn)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def run_backward(self, loss: torch.Tensor) -> None:
         if self.blocks is not None:  # layers the forward did not read
             self.blocks.finish_all()
         if self.vertical is not None and self.overlap:  # the delayed rows travel during the backward
@@ -269,7 +274,7 @@ class EmbraceStrategy(Strategy):
     def finish_gradients(self) -> None:
         self.stage.wait()
 
-    def step(self) -> None:
+    def apply_step(self) -> None:
         self.check_nonfinite()  # the non-finite policy, before anything is stepped (Strategy.check_nonfinite)
         if self.vertical is not None:
             self.vertical.drain()
@@ -347,7 +352,7 @@ class EmbraceStrategy(Strategy):
             )
         digest.check_checkpoint(self, state)  # collective: the ranks load one save, of these options
         state = self._localize(state)
-        self.steps = int(state["steps"])
+        self.steps, self._passes = int(state["steps"]), 0
         self.local_module.load_state_dict(state["model"])
         saved = state["optimizer"]
         offset, first_group = 0, 0
@@ -377,6 +382,7 @@ class EmbraceStrategy(Strategy):
         self.stage.load_state_dict(state["stage"])
         if self.vertical is not None:
             self.vertical.load_state_dict(state["vertical"], self.group.size, where)
+            self.vertical.iteration = self.steps + 1
 
     def close(self) -> None:
         if self.blocks is not None:

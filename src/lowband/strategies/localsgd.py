@@ -50,9 +50,9 @@ class LocalSGDStrategy(Strategy):
     def hparams(self) -> dict[str, Any]:
         return {"H": self.period}
 
-    def step(self) -> None:
+    def apply_step(self) -> None:
         with comm_errors(self.name, "step (model averaging)", self.group):
-            super().step()
+            super().apply_step()
 
     def in_sync(self) -> bool:
         # torch's averager counts its calls from 0 and averages when count % period == 0,

@@ -32,6 +32,10 @@ COMMON_OPTIONS = Options(
             str, "raise", choices=POLICIES,
             doc="a non-finite gradient raises, skips the step on every rank, or is not checked",
         ),
+        "accumulate": Opt(
+            int, 1, min=1, unit="passes",
+            doc="backward passes per step: gradients accumulated locally, reduced in the last pass",
+        ),
     }
 )  # fmt: skip
 
@@ -101,23 +105,24 @@ def make_strategy(
     every rank starts from rank 0's parameters and buffers, as torch DDP does (broadcast once the
     strategy's arguments are checked); collective. The model must be on this rank's kind of device
     (:func:`check_model_device`). Option ``on_nonfinite`` ("raise", the default, or "skip"), taken by
-    every strategy: what a non-finite gradient does (:meth:`Strategy.set_nonfinite`)."""
+    every strategy: what a non-finite gradient does (:meth:`Strategy.set_nonfinite`). Option
+    ``accumulate`` (default 1), taken by every strategy: backward passes per step
+    (:meth:`Strategy.set_accumulate`)."""
     on_nonfinite = options.pop("on_nonfinite", "raise")  # the non-finite policy, common to every strategy
+    accumulate = options.pop("accumulate", 1)  # backward passes per step, common to every strategy
     where = f"make_strategy({name!r})"
     ctx, g = world_group(group, where)
     # every rank's configuration agreed before anything else: a differing option, model or name is one
     # error on every rank, naming it (a name or option known on one rank only included)
     known = STRATEGIES.get(name) if name in STRATEGIES else None
-    config = strategy_config(name, known, {**options, "on_nonfinite": on_nonfinite}, model)
+    common = {"on_nonfinite": on_nonfinite, "accumulate": accumulate}
+    config = strategy_config(name, known, {**options, **common}, model)
     agree_values(
         g, "strategy configurations", config, where=f"{where} on rank {g.rank}",
         fix="give every rank the same strategy, options and model",
     )  # fmt: skip
     factory = STRATEGIES.get(name, where)
-    options, common = check_strategy_options(
-        name, {**options, "on_nonfinite": on_nonfinite}, f"{where} on rank {g.rank}"
-    )
-    on_nonfinite = common["on_nonfinite"]
+    options, common = check_strategy_options(name, {**options, **common}, f"{where} on rank {g.rank}")
     check_model_device(f"{where} on rank {g.rank}", model, ctx.device)
     make = as_optimizer_factory(make_optimizer, where, model.parameters())
     if not isinstance(broadcast_init, bool):  # make_strategy's own argument, not a strategy option
@@ -126,6 +131,11 @@ def make_strategy(
         # the constructor broadcasts once its arguments are checked; if it did not, it happens here
         strategy = factory(model, make, g, **options)
         broadcast_initial_state(model, group=g, where=f"{where} on rank {g.rank}")
-    strategy.set_nonfinite(on_nonfinite)
+    try:
+        strategy.set_nonfinite(common["on_nonfinite"])
+        strategy.set_accumulate(common["accumulate"])
+    except BaseException:
+        strategy.close()  # a refused option leaves the model without the strategy's hooks
+        raise
     strategy.agreed_config = config  # saved in its checkpoints, compared when one is loaded
     return strategy

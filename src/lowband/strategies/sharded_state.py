@@ -134,3 +134,38 @@ def assemble_state_dicts(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def _index_names(state: Mapping[str, Any]) -> list[str]:
     names = state.get("sharding", {}).get("optimizer_names")
     return list(names) if names is not None else []
+
+
+def localize(state: dict[str, Any], shards: Mapping[str, ShardSpec], size: int, where: str) -> dict[str, Any]:
+    """``state`` with this rank's slices (``shards``: this rank's specs, of a group of ``size``) of every
+    sharded tensor: a full checkpoint re-sharded, a per-rank one checked to hold this rank's slices."""
+    lay = state.get("sharding")
+    if not shards and lay is None:
+        return state
+    saved_names = sorted(lay["params"]) if lay is not None else []
+    if lay is None or saved_names != sorted(shards):
+        raise InvalidArgumentError(
+            f"{where}: the checkpoint's sharded parameters {saved_names} are not this model's {sorted(shards)}"
+        )
+    saved = {n: ShardSpec.from_dict(d) for n, d in lay["params"].items()}
+    for n, spec in shards.items():
+        if (saved[n].dim, saved[n].global_shape) != (spec.dim, spec.global_shape):
+            raise InvalidArgumentError(
+                f"{where}: {n!r} was saved cut along dim {saved[n].dim} of {saved[n].global_shape}, "
+                f"this model cuts dim {spec.dim} of {spec.global_shape}"
+            )
+    if lay["full"]:
+        return map_sharded(
+            state,
+            saved,
+            lay["optimizer_names"],
+            lambda n, _s, t: shards[n].slice(t),
+            shard_shape=lambda s: s.global_shape,
+        )
+    if any(saved[n] != shards[n] for n in shards):
+        raise InvalidArgumentError(
+            f"{where}: the checkpoint holds the shards of rank {lay['rank']} of a world of "
+            f"{lay['world_size']}, this rank (of {size}) holds other slices; load a full "
+            f"checkpoint (Strategy.full_state_dict(), or assemble_state_dicts of every rank's checkpoint)"
+        )
+    return state

@@ -123,7 +123,7 @@ class SlimGCStrategy(ClockedStrategy):
         super().__init__(model, optimizer, group)
 
     # -- the training step -------------------------------------------------------------------------
-    def zero_grad(self) -> None:
+    def clear_gradients(self) -> None:
         for p in self.params:
             p.grad = None
 
@@ -139,7 +139,7 @@ class SlimGCStrategy(ClockedStrategy):
         key = f"lowband/slimgc-nonfinite/{'.'.join(map(str, self.group.ranks))}/{gen}"
         return open_member_group(ctx, self.group, key, f"{self.group.name}/nonfinite")
 
-    def step(self) -> None:
+    def apply_step(self) -> None:
         step = self.stage.rounds
         self.stage.wait()  # every unit handed to the reducer (launched or queued)
         self.check_nonfinite()  # the non-finite policy: every unit was checked before the reducer saw it

@@ -55,7 +55,7 @@ class StageStrategy(ClockedStrategy):
         )
         super().__init__(model, make_optimizer(model.parameters()), group)
 
-    def step(self) -> None:
+    def apply_step(self) -> None:
         self.stage.wait()
         self.clock.wait_done()
         self.optimizer_step()
