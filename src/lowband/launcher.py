@@ -87,7 +87,8 @@ _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing", "torch.d
 def quiet_torch_logs(level: int = logging.CRITICAL) -> Iterator[None]:
     """Torch's launcher logs (the workers it stops, each failure with its traceback) above ``level``
     only, while the block runs: lowband prints one line per cause and the logs hold the tracebacks."""
-    loggers = [logging.getLogger(name) for name in _TORCH_LOGGERS]
+    names = [*_TORCH_LOGGERS, *(n for n in logging.root.manager.loggerDict if n.startswith(_TORCH_LOGGERS))]
+    loggers = [logging.getLogger(name) for name in names]  # torch's get_logger sets each one's level
     before = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(level)

@@ -238,6 +238,9 @@ def main(argv: Sequence[str]) -> int:
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return 2
+    except LowbandError as exc:  # the launch itself failed (a rendezvous, the testbed): one line
+        print(str(exc) if str(exc).startswith("lowband") else f"lowband run: {exc}", file=sys.stderr)
+        return 1
 
 
 def _main(argv: Sequence[str]) -> int:

@@ -119,6 +119,7 @@ def run_command(
     module docstring); ``env`` is added to the workers' environment (``OMP_NUM_THREADS``); ``log_dir``
     receives ``rankR.log`` (default: a temporary folder, kept and named when a rank failed). Returns
     the exit status: 0, or 1 after printing one line per cause when a rank failed."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torch_run
@@ -147,6 +148,10 @@ def run_command(
             torch_run(args)  # type: ignore[no-untyped-call]
     except ChildFailedError as exc:
         failure = exc
+    except SignalException as exc:  # Ctrl-C or SIGTERM: torch's agent stopped the workers
+        folders.close()
+        print(f"lowband run: interrupted ({exc.sigval.name}); every rank stopped", file=sys.stderr)
+        return 128 + int(exc.sigval)
     except Exception as exc:
         folders.close()
         raise LowbandError(f"lowband run: {type(exc).__name__}: {exc}") from exc
