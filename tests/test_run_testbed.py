@@ -24,10 +24,14 @@ ENV = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 
 def _netns_of(pid: int) -> list[str]:
-    try:
-        return [n for n in os.listdir("/run/netns") if n.startswith(f"lb-{pid}-")]
-    except FileNotFoundError:
-        return []
+    """``pid``'s testbed namespaces, and their files under /etc/netns (the hosts files)."""
+    out = []
+    for where in ("/run/netns", "/etc/netns"):
+        try:
+            out += [n for n in os.listdir(where) if n.startswith(f"lb-{pid}-")]
+        except FileNotFoundError:
+            pass
+    return out
 
 
 def _procs_running(marker: str) -> list[int]:
@@ -89,9 +93,36 @@ def test_ctrl_c_removes_every_rank_and_namespace(tmp_path: Path) -> None:
     while not all((tmp_path / f"ready{r}").exists() for r in range(2)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.2)
-    assert len(_netns_of(proc.pid)) == 3 and len(_procs_running(str(tmp_path))) >= 3
+    assert len(_netns_of(proc.pid)) == 3 + 2 and len(_procs_running(str(tmp_path))) >= 3  # + 2 hosts files
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted" in err
     assert _netns_of(proc.pid) == [] and _procs_running(str(tmp_path)) == []
+
+
+def test_each_machine_resolves_every_rank_address_and_clean_removes_orphaned_files(tmp_path: Path) -> None:
+    """torch's store looks up the name of every rank that connects (an IPv4-mapped IPv6 address on its
+    dual-stack socket); inside a namespace no DNS server answers, so each machine's /etc/hosts
+    (/etc/netns/NS/hosts) names them all: no c10d "hostname of the client socket" warning. clean()
+    also removes such files left by a crashed owner."""
+    from lowband.testbed import Layout, Testbed, clean
+
+    code = (
+        "import socket, sys\n"
+        "for a in sys.argv[1:]:\n"
+        "    print(socket.getnameinfo((a, 80), 0)[0], socket.getnameinfo(('::ffff:' + a, 80, 0, 0), 0)[0])\n"
+    )
+    with Testbed(Layout.flat(2, "1gbit"), mode="netns") as tb:
+        addrs = [tb.address(m) for m in range(2)]
+        procs = tb.spawn([PY, "-c", code, *addrs, "127.0.0.1"], stdout=subprocess.PIPE)
+        assert tb.wait(procs, timeout=60) == [0, 0]
+        for p in procs:
+            assert p.stdout is not None
+            names = p.stdout.read().decode().split()
+            assert names == ["lowband-m0", "lowband-m0", "lowband-m1", "lowband-m1", "localhost", "localhost"]
+    orphan = Path("/etc/netns/lb-999999999-1-m0")  # no such process: a dead owner's leftover
+    orphan.mkdir(parents=True)
+    (orphan / "hosts").write_text("127.0.0.1 localhost\n")
+    clean()
+    assert not orphan.exists()
