@@ -118,7 +118,7 @@ def test_failure_report_puts_signal_deaths_and_stopped_ranks_before_follow_ons(t
     lines = msg.splitlines()
     assert lines[0] == "lowband.launch: rank 1 failed: ValueError: bad", msg
     assert lines[1].startswith("lowband.launch: rank 2 was killed by SIGKILL"), msg
-    assert lines[2].startswith("lowband.launch: then rank 0 failed because of it"), msg
+    assert lines[2].startswith("lowband.launch: then rank 0 failed because of them"), msg
 
 
 def test_wait_procs_sees_signal_deaths_and_stopped_processes_first() -> None:

@@ -157,7 +157,7 @@ def test_failure_report_orders_root_causes(tmp_path: Path) -> None:
     assert failure_report(failures, reports).splitlines() == [
         "lowband.launch: rank 3 failed: ValueError: first",
         "lowband.launch: rank 2 failed: KeyError: 'late'",
-        "lowband.launch: then rank 0 failed because of it (follow-on errors; the first: CommFailedError: "
+        "lowband.launch: then rank 0 failed because of them (follow-on errors; the first: CommFailedError: "
         "lowband.allreduce on rank 0 failed)",
         "lowband.launch: rank 1 stopped by the launcher once another rank had failed",
     ]

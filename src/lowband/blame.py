@@ -252,6 +252,49 @@ def _signal_text(code: int) -> tuple[str, str]:
     return name, _HINTS.get(name, "")
 
 
+def _process_causes(
+    ends: dict[int, RankEnd],
+    ranks: list[int],
+    stopped: dict[int, tuple[float, str]],
+    who: str,
+) -> list[tuple[float, list[int], str]]:
+    """``(when, ranks, what)`` of the causes no report tells: stopped ranks, signal deaths, exits
+    without a report (``ranks``: those without a report, not stopped by the launcher)."""
+    causes: list[tuple[float, list[int], str]] = []
+    if stopped:
+        st = sorted(stopped, key=lambda k: (stopped[k][0], k))
+        seen = (
+            f"seen by {stopped[st[0]][1]}"
+            if len(st) == 1
+            else "; ".join(f"{rank_list([r])} seen by {stopped[r][1]}" for r in st)
+        )
+        whose = "its process was" if len(st) == 1 else "their processes were"
+        causes.append((
+            stopped[st[0]][0], st,
+            f"stopped answering ({whose} stopped, state T: SIGSTOP, Ctrl-Z, a debugger; {seen}; killed): "
+            "the other ranks' timeouts follow from it; find what stopped it",
+        ))  # fmt: skip
+    signals: dict[int, list[int]] = {}
+    exits: dict[int, list[int]] = {}
+    for r in ranks:
+        (signals if ends[r].code < 0 else exits).setdefault(ends[r].code, []).append(r)
+    for code, rs in signals.items():
+        name, hint = _signal_text(code)
+        causes.append((
+            min(ends[r].when for r in rs), rs,
+            f"{'was' if len(rs) == 1 else 'were'} killed by {name} (exit code {code}"
+            + (f": {hint})" if hint else ")"),
+        ))  # fmt: skip
+    guard = f"; is the launching code under `{_GUARD}`?" if who == "lowband.launch" else ""
+    for code, rs in exits.items():
+        causes.append((
+            min(ends[r].when for r in rs), rs,
+            f"exited with code {code} before reporting a Python error (os._exit, a crash, or a failure "
+            f"while the rank started{guard})",
+        ))  # fmt: skip
+    return causes
+
+
 def summary(
     ends: dict[int, RankEnd],
     reports: dict[int, dict[str, Any]],
@@ -267,54 +310,15 @@ def summary(
     ranks' own (:func:`read_reports`); ``seen_stopped`` the ranks the launcher saw stopped (rank ->
     time); ``launcher`` names who stopped ranks (``"torchrun's agent"``)."""
     stopped = _stopped_by(reports, seen_stopped or {}, launcher)
-    ranks = sorted(set(ends) | set(reports) | set(stopped))
-    causes: list[tuple[float, list[int], str]] = []  # (when, ranks, what)
-    signals: dict[int, list[int]] = {}
-    exits: dict[int, list[int]] = {}
-    errors: list[int] = []
-    follow_ons: list[int] = []
-    by_launcher: list[int] = []
-    for r in ranks:
-        end, rep = ends.get(r), reports.get(r)
-        if r in stopped:
-            continue
-        if rep is not None:
-            (follow_ons if rep.get("follow_on") else errors).append(r)
-        elif end is not None and end.by_launcher:
-            by_launcher.append(r)
-        elif end is not None and end.code < 0:
-            signals.setdefault(end.code, []).append(r)
-        elif end is not None:
-            exits.setdefault(end.code, []).append(r)
-    if stopped:
-        st = sorted(stopped, key=lambda k: (stopped[k][0], k))
-        seen = (
-            f"seen by {stopped[st[0]][1]}"
-            if len(st) == 1
-            else "; ".join(f"{rank_list([r])} seen by {stopped[r][1]}" for r in st)
-        )
-        causes.append((
-            stopped[st[0]][0], st,
-            f"stopped answering (its process was stopped, state T: SIGSTOP, Ctrl-Z, a debugger; {seen}; "
-            "killed): the other ranks' timeouts follow from it; find what stopped it",
-        ))  # fmt: skip
-    for code, rs in signals.items():
-        name, hint = _signal_text(code)
-        causes.append((
-            min(ends[r].when for r in rs), rs,
-            f"{'was' if len(rs) == 1 else 'were'} killed by {name} (exit code {code}"
-            + (f": {hint})" if hint else ")"),
-        ))  # fmt: skip
-    guard = f" is the launching code under `{_GUARD}`?" if who == "lowband.launch" else ""
-    for code, rs in exits.items():
-        causes.append((
-            min(ends[r].when for r in rs), rs,
-            f"exited with code {code} before reporting a Python error (os._exit, a crash, or a failure "
-            f"while the rank started{';' + guard if guard else ''})",
-        ))  # fmt: skip
+    others = [r for r in sorted(set(ends) | set(reports)) if r not in stopped]
+    errors = [r for r in others if r in reports and not reports[r].get("follow_on")]
+    follow_ons = [r for r in others if r in reports and reports[r].get("follow_on")]
+    by_launcher = [r for r in others if r not in reports and ends[r].by_launcher]
+    silent = [r for r in others if r not in reports and not ends[r].by_launcher]
+    causes = _process_causes(ends, silent, stopped, who)
     for rs, text in _group(errors, reports, follow_on=False):
         causes.append((min(float(reports[r]["time"]) for r in rs), rs, f"failed: {text}"))
-    if not causes:  # nothing but follow-ons: the earliest is the cause
+    if not causes:  # nothing but follow-ons: they are the causes
         for rs, text in _group(follow_ons, reports, follow_on=True):
             causes.append((min(float(reports[r]["time"]) for r in rs), rs, f"failed: {text}"))
         follow_ons = []
@@ -327,8 +331,8 @@ def summary(
     if follow_ons:
         first = min(follow_ons, key=lambda r: float(reports[r]["time"]))
         lines.append(
-            f"{who}: then {rank_list(follow_ons)} failed because of it (follow-on errors; the first: "
-            f"{_short(str(reports[first]['error']), True)})"
+            f"{who}: then {rank_list(follow_ons)} failed because of {'it' if len(causes) == 1 else 'them'} "
+            f"(follow-on errors; the first: {_short(str(reports[first]['error']), True)})"
         )
     if by_launcher:
         lines.append(f"{who}: {rank_list(by_launcher)} stopped by {launcher} once another rank had failed")

@@ -181,11 +181,8 @@ class _Tee:
         n = self._stream.write(text)
         try:
             self._log.write(text)
-        except (
-            OSError,
-            ValueError,
-        ):  # the log closed (interpreter exit) or its disk full: the terminal goes on
-            pass
+        except (OSError, ValueError):
+            pass  # the log closed (interpreter exit) or its disk is full: the terminal goes on
         return n
 
     def writelines(self, lines: list[str]) -> None:
@@ -244,12 +241,19 @@ def rank_session(rank: int, report_dir: str | None, log_dir: str | None) -> Iter
     log: IO[str] | None = None
     saved = sys.stdout, sys.stderr
     if log_dir is not None:
-        os.makedirs(log_dir, exist_ok=True)
-        log = open(log_path(log_dir, rank), "a", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+        try:
+            os.makedirs(log_dir, exist_ok=True)
+            log = open(log_path(log_dir, rank), "a", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
+        except OSError as exc:  # the rank runs on without its log (the terminal still has its output)
+            print(f"lowband: rank {rank}: no log in {log_dir}: {exc}", file=sys.stderr)
+    if log is not None:
         sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)  # type: ignore[assignment]
         faulthandler.enable(file=log, all_threads=True)
     if report_dir is not None:
-        write_pid(report_dir, rank)
+        try:
+            write_pid(report_dir, rank)
+        except OSError:
+            report_dir = None  # no folder to report to (not started by a launcher that reads it)
     session = RankSession(rank, report_dir, log)
     try:
         yield session
