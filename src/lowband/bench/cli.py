@@ -37,6 +37,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     b.add_argument("--sizes", default="1MB,4MB,16MB", help="message sizes for --collectives (1MB, 4MiB, ...)")
     b.add_argument("--reps", type=int, default=5, help="timed ops per op, size and round for --collectives")
     b.add_argument("--list", action="store_true", help="list workloads, strategies and collectives and exit")
+    b.add_argument(
+        "--replot", metavar="DIR", default=None,
+        help="redraw the plots and results.md of the finished run in DIR from DIR/results.json and exit",
+    )  # fmt: skip
     d = sub.add_parser("demo", help="the main job: every strategy on 4 ranks over 100 Mbit/s links (~3 min)")
     _common(d, demo_config())
 
@@ -212,6 +216,11 @@ def main_demo(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
+    if ns.replot is not None:  # nothing runs: no testbed, no ranks
+        from lowband.bench.report import replot
+
+        print("written: " + "  ".join(str(p) for p in replot(Path(ns.replot))))
+        return 0
     from lowband.bench.runner import run_bench, run_sweep
     from lowband.bench.workloads import WORKLOADS
     from lowband.strategies.registry import COMMON_OPTIONS, STRATEGIES

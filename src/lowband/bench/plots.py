@@ -1,6 +1,9 @@
 """The PNG plots of a bench run, laid out to be read at a glance: strategies named as typed (wrapped at
-their commas), one colour per strategy in every plot, legends outside the axes, target lines in the
-legend, titles wrapped to the figure's width (matplotlib's constrained layout keeps text apart).
+their commas; numbered ``S1``, ``S2``, ... with shortened legend entries when specs are long, see
+:mod:`lowband.bench.styles`), one colour, line style and marker per strategy in every plot (curves that
+coincide stay visible), legends below the axes and inside the figure, target lines in the legend, titles
+wrapped to the figure's width (matplotlib's constrained layout keeps text apart). Training time is on a
+log axis when one strategy trains more than :data:`LOG_TIME_RATIO` times longer than another.
 
 :func:`figures` builds them (for tests: nothing written); :func:`plot_all` writes them:
 
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lowband.bench.metrics import COMPUTE, loss_curve, smoothed
+from lowband.bench.styles import colors, full_labels, mark_every, plot_labels, styles, wrap_spec
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -30,24 +34,11 @@ PARTS = {"compute_s": ("computation", "tab:green"), "compression_s": ("compressi
 _BD_NAMES = {"compute_s": "computation", "compression_s": "compression (critical path)",
              "comm_s": "communication not overlapped"}  # fmt: skip
 _WIDE = 12.0  # inches
+#: training time on a log axis when the longest training is more than this many times the shortest
+LOG_TIME_RATIO = 4.0
 
-
-def wrap_spec(spec: str, width: int = 40) -> str:
-    """A strategy spec on lines of at most ``width`` characters where it can, broken after ``,``
-    ``:`` ``;`` or a space (a single longer part keeps its own line)."""
-    parts, cur = [], ""
-    for ch in spec:
-        cur += ch
-        if ch in ",:; ":
-            parts.append(cur)
-            cur = ""
-    parts.append(cur)
-    lines = [""]
-    for part in parts:
-        if lines[-1] and len(lines[-1]) + len(part.rstrip()) > width:
-            lines.append("")
-        lines[-1] += part
-    return "\n".join(line.rstrip() for line in lines if line)
+__all__ = ["LOG_TIME_RATIO", "colors", "fig_loss", "figures", "plot_all", "plot_breakdown", "step_parts",
+           "wrap_spec"]  # fmt: skip
 
 
 def _title(text: str, width_in: float, fontsize: float = 10) -> str:
@@ -82,31 +73,49 @@ def _legend_rows(n: int, keys: list[str], width: float) -> float:
     return 0.2 * (lines / ncol + 1) + 0.3
 
 
-def colors(keys: list[str]) -> dict[str, Any]:
-    """One colour per strategy (tab10, tab20 beyond ten), the same in every plot."""
-    from matplotlib import colormaps
+def _time_axis(ax: Axes, ends: list[float]) -> None:
+    """Training time on ``ax``'s x axis, on a log scale when the longest of the strategies' training
+    times (``ends``) is more than :data:`LOG_TIME_RATIO` times the shortest."""
+    log = bool(ends) and min(ends) > 0 and max(ends) / min(ends) > LOG_TIME_RATIO
+    if log:
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    cmap = colormaps["tab10" if len(keys) <= 10 else "tab20"]
-    return {k: cmap(i % cmap.N) for i, k in enumerate(keys)}
+        ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.5, 2, 50: plain seconds
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("training time (s, log scale)" if log else "training time (s)")
 
 
 def fig_loss(raw: dict[str, Any], summary: dict[str, Any], title: str, smooth: int) -> Figure:
     runs = {k: v for k, v in raw["runs"].items() if k != COMPUTE}
-    col = colors(list(runs))
-    fig = _figure(_WIDE, 4.2 + _legend_rows(1, list(runs), _WIDE))
+    keys = list(runs)
+    st, names = styles(keys), plot_labels(keys)
+    fig = _figure(_WIDE, 4.2 + _legend_rows(1, list(names.values()), _WIDE))
     ax1, ax2 = fig.subplots(1, 2)
+    ends, seen = [], set()
+    same = False  # whether some strategies' losses are identical at every step
     for key, run in runs.items():
         curve = loss_curve(run)
         sm = smoothed([c[2] for c in curve], smooth)
-        ax1.plot([c[1] for c in curve], sm, color=col[key], label=key)
-        ax2.plot([c[0] for c in curve], sm, color=col[key])
+        same |= tuple(sm) in seen
+        seen.add(tuple(sm))
+        s = st[key]
+        look = {"color": s.color, "ls": s.linestyle, "marker": s.marker, "ms": 4, "lw": 1.4,
+                "markevery": mark_every(s, len(keys), len(curve))}  # fmt: skip
+        ax1.plot([c[1] for c in curve], sm, label=names[key], **look)
+        ax2.plot([c[0] for c in curve], sm, **look)
+        ends += [curve[-1][1]] if curve else []
     target = summary["target_loss"]
     ax1.axhline(target, color="black", ls=":", lw=1.2, label=f"target loss {target:.3f}")
     ax2.axhline(target, color="black", ls=":", lw=1.2)
-    for ax, xl in ((ax1, "training time (s)"), (ax2, "step")):
-        ax.set_xlabel(xl)
+    _time_axis(ax1, ends)
+    ax2.set_xlabel("step")
+    for ax in (ax1, ax2):
         ax.set_ylabel(f"training loss (moving avg. of {smooth})")
         ax.grid(alpha=0.3)
+    if same:
+        ax2.set_title("strategies with identical losses share a curve (markers staggered)", fontsize=8)
     fig.suptitle(_title(title, _WIDE))
     _legend_below(fig, ax1)
     return fig
@@ -116,17 +125,21 @@ def fig_accuracy(raw: dict[str, Any], summary: dict[str, Any], title: str) -> Fi
     runs = {k: v for k, v in raw["runs"].items() if k != COMPUTE}
     if not any(ev.get("accuracy") is not None for run in runs.values() for ev in run["evals"]):
         return None
-    col = colors(list(runs))
+    st, names = styles(list(runs)), plot_labels(list(runs))
+    ends: list[float] = []
     width = 9.0
-    fig = _figure(width, 4.2 + _legend_rows(1, list(runs), width))
+    fig = _figure(width, 4.2 + _legend_rows(1, list(names.values()), width))
     ax = fig.subplots()
     for key, run in runs.items():
         pts = [(ev["wall"], ev["accuracy"] * 100) for ev in run["evals"] if ev.get("accuracy") is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=col[key], label=key)
+        s = st[key]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=s.color, ls=s.linestyle, marker=s.marker,
+                ms=5, label=names[key])  # fmt: skip
+        ends += [pts[-1][0]] if pts else []
     if summary.get("target_accuracy") is not None:
         t = summary["target_accuracy"] * 100
         ax.axhline(t, color="black", ls=":", lw=1.2, label=f"target accuracy {t:.1f}%")
-    ax.set_xlabel("training time (s)")
+    _time_axis(ax, ends)
     ax.set_ylabel("held-out accuracy (%)")
     ax.grid(alpha=0.3)
     ax.set_title(_title(title, width), fontsize=10)
@@ -141,7 +154,8 @@ def _rows_height(labels: list[str]) -> float:
 def fig_iteration(summary: dict[str, Any], title: str) -> Figure:
     rows = summary["strategies"]
     keys = list(rows)
-    labels = [wrap_spec(k) for k in keys]
+    full = full_labels(keys)
+    labels = [wrap_spec(full[k]) for k in keys]
     fig = _figure(_WIDE, _rows_height(labels) + 2.2)
     ax = fig.subplots()
     ys = list(range(len(keys)))[::-1]
@@ -176,7 +190,8 @@ def fig_breakdown(summary: dict[str, Any], title: str) -> Figure | None:
     if not rows:
         return None
     keys = list(rows)
-    labels = [wrap_spec(k) for k in keys]
+    full = full_labels(list(summary["strategies"]))  # numbered as in the other plots
+    labels = [wrap_spec(full[k]) for k in keys]
     fig = _figure(_WIDE, _rows_height(labels) + 2.4)
     ax = fig.subplots()
     ys = list(range(len(keys)))[::-1]
@@ -255,6 +270,7 @@ def fig_timeline(raw: dict[str, Any], summary: dict[str, Any], title: str) -> Fi
     fig = _figure(_WIDE, panel * len(runs) + 1.6)
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
     drawn: set[tuple[str, bool]] = set()
+    full = full_labels([k for k, _ in runs if k != COMPUTE])
     for ax, (key, run) in zip(axes, runs):
         seg = next((s for s in run["segments"] if s["round"] == last), None)
         if seg is None or not seg["starts"][0]:
@@ -274,7 +290,7 @@ def fig_timeline(raw: dict[str, Any], summary: dict[str, Any], title: str) -> Fi
                                label=(name + ("" if measured else " (inferred)")) if first else None)  # fmt: skip
         ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=7)
         ax.set_ylim(n - 0.5, -0.5)
-        ax.set_title(key, fontsize=8, loc="left")
+        ax.set_title(full.get(key, key), fontsize=8, loc="left")
         ax.tick_params(axis="x", labelsize=7)
     axes[-1].set_xlabel("seconds since the strategy's turn began (last round); each bar is one step")
     fig.suptitle(_title(f"per-rank timeline - {title}", _WIDE))

@@ -1,14 +1,23 @@
 """Tables of a bench run: the compact one printed in the terminal, the full one in ``results.md`` with
-its legend, and the sweep table. Strategies are shown as typed on the command line (``-s``); a figure
-that does not apply reads ``-``. The plots are :mod:`lowband.bench.plots`."""
+its legend, and the sweep table. Strategies are shown as typed on the command line (``-s``), with the
+numbers the plots give them when their specs are too long for a plot legend
+(:mod:`lowband.bench.styles`); a figure that does not apply reads ``-``. The plots are
+:mod:`lowband.bench.plots`. :func:`replot` redraws a finished run's plots and ``results.md`` from its
+``results.json`` (``lowband bench --replot DIR``)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from lowband.bench.metrics import speedups
 from lowband.bench.plots import plot_all, plot_breakdown
+from lowband.bench.styles import numbers
+from lowband.errors import InvalidArgumentError
 
-__all__ = ["legend", "markdown_table", "plot_all", "plot_breakdown", "sweep_table", "terminal_table"]
+__all__ = ["bench_title", "legend", "markdown_table", "plot_all", "plot_breakdown", "replot",
+           "results_markdown", "sweep_table", "terminal_table"]  # fmt: skip
 
 
 def _ms(v: float | None) -> str:
@@ -95,7 +104,8 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
     tacc = summary.get("target_accuracy")
     with_pred = any(r.get("predicted_iter_time") for r in rows.values())
     with_bd = any((r.get("breakdown") or {}).get("source") == "measured" for r in rows.values())
-    head = ["strategy", "iter ms median [min-max]", *[f"speed-up vs {b}" for b in bases], f"{unit}/s",
+    nums = numbers(list(rows))
+    head = [*(["plot"] if nums else []), "strategy", "iter ms median [min-max]", *[f"speed-up vs {b}" for b in bases], f"{unit}/s",
             "sent/rank/step", "received/rank/step", "compute ms", "comm not overlapped ms", "bound ms",
             "efficiency", "final train loss", "eval loss", "eval acc",
             f"time to loss {summary['target_loss']:.3f} (s)"]  # fmt: skip
@@ -108,6 +118,7 @@ def markdown_table(summary: dict[str, Any], unit: str) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for k, r in rows.items():
         cells = [
+            *([nums[k]] if nums else []),
             f"`{_spec(k, r)}`",
             f"{_ms(r['iter_time_median'])} [{_ms(r['iter_time_min'])}-{_ms(r['iter_time_max'])}]",
             *[_speedup(k, r, b) for b in bases],
@@ -150,11 +161,13 @@ def legend(summary: dict[str, Any], unit: str, *, target_given: bool, shaped: bo
         else "the worst final training loss, so every strategy reaches it"
     )
     items = [
+        ("plot", "the strategy's number in the plots, whose legends shorten specs this long"),
         ("strategy", "as typed with -s; options not typed take their defaults (results.json has them all)"),
         ("iter ms", "the job's pace per training step: step k ends when the last rank ends it; median of "
                     "the timed rounds' means [min-max], a round's mean counting every step and the "
                     "synchronize() after its last (the communication a strategy overlaps with its next step)"),
-        ("speed-up vs B", "B's iteration time / this strategy's (> 1: faster than B)"),
+        ("speed-up vs B", "B's iteration time / this strategy's (> 1: faster than B); B: the baselines "
+                          "found in the run (--baselines), else its first strategy"),
         (f"{unit}/s", f"{unit} of all ranks trained per second"),
         ("sent, received /rank/step", "bytes through a rank's link per step (the kernel's counters, "
                                       "headers included, synchronize() at the round's end too; "
@@ -183,17 +196,21 @@ def legend(summary: dict[str, Any], unit: str, *, target_given: bool, shaped: bo
                                             "can (* inferred from the compute-only run for the others)"),
         ("-", "the figure does not apply (no baseline, no accuracy for the workload, target not reached)"),
     ]  # fmt: skip
+    nums = numbers(list(summary["strategies"]))
     items = [it for it in items if (with_pred or not it[0].startswith("predicted"))
-             and (with_bd or not it[0].startswith("compute /"))]  # fmt: skip
+             and (with_bd or not it[0].startswith("compute /")) and (nums or it[0] != "plot")]  # fmt: skip
     return "**Columns.**\n\n" + "\n".join(f"- **{k}**: {v}" for k, v in items)
 
 
 def sweep_table(points: list[dict[str, Any]], baseline: str) -> str:
-    """Speed-up over ``baseline`` per strategy (rows) and setting (columns), like the papers' Table 1."""
+    """Speed-up over ``baseline`` per strategy (rows) and setting (columns), like the papers' Table 1;
+    when no setting has ``baseline``, over the first strategy."""
     settings = [p["setting"] for p in points]
     keys: list[str] = []
     for p in points:
         keys += [k for k in p["summary"]["strategies"] if k not in keys]
+    if keys and not any(_find_base(p["summary"]["strategies"], baseline) for p in points):
+        baseline = keys[0]
     lines = [
         f"| strategy (speed-up vs {baseline}) | " + " | ".join(settings) + " |",
         "|" + "---|" * (len(settings) + 1),
@@ -202,10 +219,79 @@ def sweep_table(points: list[dict[str, Any]], baseline: str) -> str:
         cells = []
         for p in points:
             rows = p["summary"]["strategies"]
-            base = next((b for b in rows if b.split(":")[0] == baseline or b == baseline), None)
+            base = _find_base(rows, baseline)
             if k not in rows or base is None:
                 cells.append("-")
             else:
                 cells.append(f"{rows[base]['iter_time_median'] / rows[k]['iter_time_median']:.2f}x")
         lines.append(f"| `{k}` | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _find_base(rows: dict[str, Any], baseline: str) -> str | None:
+    return next((b for b in rows if b.split(":")[0] == baseline or b == baseline), None)
+
+
+def bench_title(results: dict[str, Any]) -> str:
+    """The title of a run's plots and ``results.md``: workload, ranks, testbed."""
+    cfg, raw = results["config"], results["raw"]
+    return f"{raw.get('workload_name', cfg['workload'])}, {cfg['world_size']} ranks, {results['testbed']}"
+
+
+def results_markdown(results: dict[str, Any], *, redrawn: bool = False) -> str:
+    """``results.md`` of a training run: what was run, the table (:func:`markdown_table`) and its legend;
+    ``results`` is what ``results.json`` holds. ``redrawn``: written by :func:`replot`, which says so
+    (the figures are the run's, computed with the definitions of its day)."""
+    cfg, raw, summary = results["config"], results["raw"], results["summary"]
+    shaped = bool(results["shaped"])
+    note = (
+        f"\n\nRedrawn from results.json by `lowband bench --replot`: the figures are those of the run "
+        f"started {results.get('started', '?')}, computed with the definitions of that day "
+        "(src/lowband/bench/metrics.py dates each change); the column notes below are today's."
+        if redrawn
+        else ""
+    )
+    header = (
+        f"### {bench_title(results)}\n\n{raw['workload']}; batch {raw['batch_size']}/rank; {cfg['rounds']} "
+        f"rounds x {cfg['steps_per_round']} steps per strategy, alternated, first {cfg['warmup_rounds']} "
+        f"round(s) untimed; on {results.get('device', 'cpu')} in {results.get('precision', 'fp32')}; "
+        + (
+            "evaluated on the whole test set"
+            if cfg["eval_items"] == 0
+            else f"evaluated on {cfg['eval_items']} held-out items"
+        )
+        + (
+            ""
+            if shaped
+            else "\n\n**UNSHAPED** (loopback): " + results.get("testbed_reason", "links not shaped")
+        )
+        + note
+    )
+    notes = legend(summary, raw["unit"], target_given=cfg.get("target_loss") is not None, shaped=shaped)
+    return f"{header}\n\n{markdown_table(summary, raw['unit'])}\n\n{notes}\n"
+
+
+def replot(out: Path) -> list[Path]:
+    """Redraws the plots of the finished run in ``out`` from its ``results.json`` (measured figures as
+    saved; the speed-ups rebuilt from them, :func:`lowband.bench.metrics.speedups`) and rewrites its
+    ``results.md``; returns the files written. Nothing is run."""
+    path = Path(out) / "results.json"
+    if not path.is_file():
+        raise InvalidArgumentError(
+            f"lowband bench --replot: {path} not found; give the folder of a finished run (its --out)"
+        )
+    results = json.loads(path.read_text())
+    cfg = results["config"]
+    if cfg.get("collectives") is not None:
+        from lowband.bench.collectives import plot_collectives
+
+        plot = Path(out) / "collectives.png"
+        plot_collectives(results["summary"], cfg["sizes"], plot, f"collectives, {cfg['world_size']} ranks, "
+                         f"{results['testbed']}")  # fmt: skip
+        return [plot]
+    summary = results["summary"]
+    speedups(summary["strategies"], cfg.get("baselines") or [])
+    smooth = min(10, cfg["steps_per_round"])  # as the run's summary (lowband.bench.runner)
+    paths = plot_all(results["raw"], summary, Path(out), bench_title(results), smooth=smooth)
+    (Path(out) / "results.md").write_text(results_markdown(results, redrawn=True))
+    return [*paths, Path(out) / "results.md"]

@@ -21,7 +21,7 @@ from tqdm import tqdm
 import lowband
 from lowband.bench.config import BenchConfig
 from lowband.bench.metrics import Rates, summarize
-from lowband.bench.report import legend, markdown_table, plot_all, sweep_table, terminal_table
+from lowband.bench.report import bench_title, plot_all, results_markdown, sweep_table, terminal_table
 from lowband.bench.resources import check_resources, machine, rank_bytes
 from lowband.blame import LaunchFolders, ends_of_codes, read_reports
 from lowband.blame import summary as failure_lines
@@ -126,6 +126,7 @@ def run_bench(
             stopped, killed, ended_at = list[int](), list[int](), dict[int, float]()
             codes = wait_procs(procs, timeout, grace=10.0, stopped=stopped, killed=killed, ended_at=ended_at)
             follower.join(timeout=10)
+            bar.set_postfix_str("ranks done: taking the testbed down, writing the results and plots")
             bar.close()
         finally:
             for f in logs:
@@ -157,7 +158,6 @@ def run_bench(
         target_loss=cfg.target_loss,
         smooth=min(10, cfg.steps_per_round),
     )
-    title = f"{raw.get('workload_name', cfg.workload)}, {cfg.world_size} ranks, {label}"
     results = {
         "lowband_version": lowband.__version__,
         "started": started,
@@ -170,25 +170,14 @@ def run_bench(
         "batch_size_per_rank": raw["batch_size"],
         "device": raw.get("device", "cpu"),
         "precision": raw.get("precision", cfg.precision),
+        "testbed_reason": tb.reason,
         "summary": summary,
         "raw": raw,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
+    title = bench_title(results)
     plots = plot_all(raw, summary, out, title, smooth=min(10, cfg.steps_per_round))
-    table = markdown_table(summary, raw["unit"])
-    header = (
-        f"### {title}\n\n{raw['workload']}; batch {raw['batch_size']}/rank; {cfg.rounds} rounds x "
-        f"{cfg.steps_per_round} steps per strategy, alternated, first {cfg.warmup_rounds} round(s) untimed; "
-        f"on {raw.get('device', 'cpu')} in {raw.get('precision', 'fp32')}; "
-        + (
-            "evaluated on the whole test set"
-            if cfg.eval_items == 0
-            else f"evaluated on {cfg.eval_items} held-out items"
-        )
-        + ("" if shaped else "\n\n**UNSHAPED** (loopback): " + tb.reason)
-    )
-    notes = legend(summary, raw["unit"], target_given=cfg.target_loss is not None, shaped=shaped)
-    md = f"{header}\n\n{table}\n\n{notes}\n"
+    md = results_markdown(results)  # also what `lowband bench --replot` writes
     (out / "results.md").write_text(md)
     results["markdown"] = md
     results["terminal"] = f"{title}\n\n{terminal_table(summary)}" + (

@@ -218,14 +218,15 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
         runs.append(Run(spec, strat, wl.batches(r, n, bs, cfg.seed)))
     total = cfg.rounds * len(runs) * cfg.steps_per_round  # progress counts training steps
     done = 0
-    _progress(done, total, f"round 1/{cfg.rounds}")
-    for rnd in range(cfg.rounds):
+    for rnd in range(cfg.rounds):  # the bar says what is being done now
         for run in runs:
-            _segment(run, wl, cfg, rnd, epoch0)
-            if run.key != COMPUTE:
-                _evaluate(run, wl, cfg, rnd)
-            done += cfg.steps_per_round
             _progress(done, total, f"round {rnd + 1}/{cfg.rounds}: {run.key}")
+            _segment(run, wl, cfg, rnd, epoch0)
+            done += cfg.steps_per_round
+            if run.key != COMPUTE:
+                _progress(done, total, f"round {rnd + 1}/{cfg.rounds}: {run.key}: evaluating")
+                _evaluate(run, wl, cfg, rnd)
+    _progress(done, total, "training done: gathering the reports, closing the strategies")
     out: dict[str, Any] = {"runs": {}}
     for run in runs:
         in_sync = run.strategy.in_sync()
