@@ -263,7 +263,7 @@ def results_markdown(results: dict[str, Any], *, redrawn: bool = False) -> str:
         + (
             ""
             if shaped
-            else "\n\n**UNSHAPED** (loopback): " + results.get("testbed_reason", "links not shaped")
+            else "\n\n**UNSHAPED** (loopback): " + results.get("testbed_reason", results["testbed"])
         )
         + note
     )
