@@ -57,7 +57,7 @@ class ShardedSGD(Strategy):
                 model.set_submodule(name, ColumnShardedEmbedding(m, group))
         super().__init__(model, make_optimizer(model.parameters()), group)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def run_backward(self, loss: torch.Tensor) -> None:
         loss.backward()  # type: ignore[no-untyped-call]
         grads = [p.grad for _, p in self.replicated_parameters() if p.grad is not None]
         if grads:

@@ -54,6 +54,12 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "embrace": {"schedule": "horizontal"},
 }
 PARTIAL_SYNC = ("dreamddp", "plsgd-enp", "flsgd-overlap")
+#: more configurations of one strategy (``name/variant``): options and the optimizer's momentum
+VARIANTS: dict[str, tuple[dict[str, Any], float]] = {
+    # Algorithm 1's delayed rows belong to an iteration the strategy advances after every step
+    "embrace/vertical": ({"schedule": "vertical", "overlap": True}, 0.0),  # lazy SGD: no momentum
+    "atc/period": ({"period": 2, "allreduce_every": 2}, 0.9),
+}
 #: torch DDP runs on process-wide groups only
 PROCESS_ONLY = ("ddp", "ddp-sparse", "powersgd")
 #: not bit-exact run to run, with the reason; checked for running, finite and counting steps
@@ -90,8 +96,8 @@ def _loss(m: nn.Module, rank: int, step: int) -> torch.Tensor:
     return ((m(x) - y) ** 2).mean()
 
 
-def _opt(params: object) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)  # type: ignore[arg-type]
+def _opt(params: object, momentum: float = 0.9) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=momentum)  # type: ignore[arg-type]
 
 
 def _flat(m: nn.Module) -> list[float]:
@@ -110,6 +116,8 @@ def _plain(x: object) -> object:
 
 
 def _options(name: str, folder: str) -> dict[str, Any]:
+    if name in VARIANTS:
+        return dict(VARIANTS[name][0])
     opts = dict(OPTIONS.get(name, {}))
     if name in PARTIAL_SYNC:  # measured by the first run (train_step), read by the others
         opts.update(period=2, trial_periods=0, profile=str(Path(folder) / f"{name}-profile.json"))
@@ -128,8 +136,9 @@ def _run(name: str, folder: str, path: str) -> dict[str, Any]:
     """One way of training (module docstring) on this rank."""
     r = lowband.rank()
     m = _model()
-    s = make_strategy(name, m, _opt, **_options(name, folder))
-    ckpt = Path(folder) / f"{name}-ckpt"
+    momentum = VARIANTS[name][1] if name in VARIANTS else 0.9
+    s = make_strategy(name.partition("/")[0], m, lambda p: _opt(p, momentum), **_options(name, folder))
+    ckpt = Path(folder) / f"{name.replace('/', '-')}-ckpt"
     losses: list[float] = []
     first = 0
     if path in ("C-resumed", "D"):
@@ -185,7 +194,7 @@ def test_every_strategy_is_covered() -> None:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("name", [x for x in _own() if x not in PROCESS_ONLY])
+@pytest.mark.parametrize("name", [x for x in _own() if x not in PROCESS_ONLY] + sorted(VARIANTS))
 def test_loop_and_train_step_and_resume_agree(name: str, n: int, tmp_path: Path) -> None:
     _check(name, run_threads(_all_paths, n, name, str(tmp_path), timeout=240))
 

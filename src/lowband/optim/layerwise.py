@@ -202,10 +202,8 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             opt.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"layers": [opt.state_dict() for opt in self.optimizers]}
-        if self.stage.reducer is not None:
-            state["stage"] = self.stage.state_dict()
-        return state
+        # the stage's counters (and its reducer's state): e.g. ATC's passes towards its next combination
+        return {"layers": [opt.state_dict() for opt in self.optimizers], "stage": self.stage.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         states = state_dict.get("layers") if isinstance(state_dict, dict) else None

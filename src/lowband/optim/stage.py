@@ -342,8 +342,16 @@ class GradientStage:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The reduction counter and the reducer's state (complete the reduction first)."""
-        return {"rounds": self.rounds, "reducer": {} if self.reducer is None else self.reducer.state_dict()}
+        """The reduction counter, the reducer's state (complete the reduction first) and, when any, the
+        backward passes counted since the last reduction (``passes``: e.g. ATC's local steps towards its
+        next combination)."""
+        state: dict[str, Any] = {
+            "rounds": self.rounds,
+            "reducer": {} if self.reducer is None else self.reducer.state_dict(),
+        }
+        if self._passes:
+            state["passes"] = self._passes
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or "rounds" not in state or "reducer" not in state:
@@ -354,6 +362,7 @@ class GradientStage:
         if self.pending():
             raise InvalidArgumentError(f"{self.where}: load_state_dict while gradients are pending")
         self.rounds = int(state["rounds"])
+        self._passes = int(state.get("passes", 0))  # checkpoints written before it was saved: 0
         if self.reducer is not None:
             self.reducer.load_state_dict(dict(state["reducer"]))
 

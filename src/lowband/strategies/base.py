@@ -112,9 +112,9 @@ class Strategy(GradientPolicies):
         return self.local_module
 
     def zero_grad(self) -> None:
-        """Clear the gradients before a step's first backward; between the first and the J-th backward
-        of an accumulating step (``accumulate=J``) it keeps them."""
-        if self._passes == 0:
+        """Clear the gradients (as torch's ``zero_grad``); between the first and the J-th backward of an
+        accumulating step (``accumulate=J``) it keeps them."""
+        if not 0 < self._passes < self.accumulate:
             self.begin_step()
             self.clear_gradients()
 
