@@ -15,7 +15,9 @@ Options make each strategy's state move before RESUME_AT (PowerSGD compressing, 
 global allreduce, ...). DreamDDP's variants schedule from a profile file the first run measures (its
 lazy profile in the loop is checked against ``train_step`` below); ``trial_periods=0`` keeps the
 predicted best split (a trial chooses by timing). Thread ranks where the strategy runs on them (torch
-DDP needs process-wide groups: processes, one launch per world size for the three).
+DDP needs process-wide groups: processes, one launch per world size for the three). Bit for bit except
+``winput`` (asynchronous by design) and ATC's two strategies (rare last-bit differences between two
+``train_step`` runs already: ROUNDING).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ VARIANTS: dict[str, tuple[dict[str, Any], float]] = {
 PROCESS_ONLY = ("ddp", "ddp-sparse", "powersgd")
 #: not bit-exact run to run, with the reason; checked for running, finite and counting steps
 NOT_BIT_EXACT = {"winput": "asynchronous puts: the combined values depend on arrival times"}
+#: equal up to rounding only: two uninterrupted train_step runs of ATC on thread ranks differed in the
+#: last bit of a parameter in about 1 of 12 runs (measured 2026-11-27, atc and hierarchical-atc at 2
+#: ranks; 0 of 60 on a quiet machine); the source is not found. Compared to 1e-12 relative.
+ROUNDING = ("atc", "hierarchical-atc")
 
 
 class _Model(nn.Module):
@@ -173,6 +179,16 @@ def _check(name: str, results: list[dict[str, dict[str, Any]]]) -> None:
                 assert all(math.isfinite(v) for v in x["params"]) and len(x["params"]) == len(a["params"])
             continue
         where = f"{name} rank {r}"
+        if name.partition("/")[0] in ROUNDING:
+            for x, y, what in (
+                (b, a, "loop vs train_step"),
+                (resumed, b, "resumed loop"),
+                (d, b, "train_step resumed"),
+            ):
+                _close(x["params"], y["params"], f"{where}: {what}")
+                _close(x["losses"], y["losses"][-len(x["losses"]) :], f"{where}: {what} losses")
+            _close(resumed["state"], b["state"], f"{where}: state after the resume")
+            continue
         assert b["losses"] == a["losses"], f"{where}: the loop's losses differ from train_step's"
         assert b["params"] == a["params"], f"{where}: the loop trained differently from train_step"
         assert c["losses"] == b["losses"][:RESUME_AT]
@@ -181,6 +197,22 @@ def _check(name: str, results: list[dict[str, dict[str, Any]]]) -> None:
         assert resumed["state"] == b["state"], f"{where}: state after the resume differs"
         assert d["params"] == b["params"], f"{where}: train_step after a loop checkpoint differs"
         assert d["losses"] == b["losses"][RESUME_AT:]
+
+
+def _close(x: object, y: object, where: str) -> None:
+    """``x`` equals ``y`` up to rounding (floats to 1e-12 relative), structure and everything else exactly."""
+    if isinstance(x, float) and isinstance(y, float):
+        assert math.isclose(x, y, rel_tol=1e-12, abs_tol=1e-14), f"{where}: {x} != {y}"
+    elif isinstance(x, dict) and isinstance(y, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            _close(x[k], y[k], where)
+    elif isinstance(x, list) and isinstance(y, list):
+        assert len(x) == len(y), where
+        for u, v in zip(x, y):
+            _close(u, v, where)
+    else:
+        assert x == y, f"{where}: {x!r} != {y!r}"
 
 
 def _own() -> list[str]:
