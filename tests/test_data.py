@@ -93,9 +93,18 @@ def test_side_by_side_data_parallel_groups() -> None:
     assert not set(res[0]["strategy"]) & set(res[2]["strategy"])  # the replicas read different ones
 
 
-def _train(n_samples: int) -> list[float]:
-    torch.manual_seed(0)
+def _model() -> nn.Linear:
+    """The same start on every rank from a generator of its own (thread ranks share torch's global one)."""
     m = nn.Linear(3, 1).double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    return m
+
+
+def _train(n_samples: int) -> list[float]:
+    m = _model()
     s = make_strategy("stage", m, lambda p: torch.optim.SGD(p, lr=LR))
     batches = loader(_dataset(n_samples), s, batch_size=2, seed=4)
     for epoch in range(2):
@@ -110,8 +119,7 @@ def test_training_on_shards_equals_one_model_on_the_union() -> None:
     world, n = 3, 12  # 4 samples per rank, 2 batches of 2 each per epoch
     res = run_threads(_train, world, n)
     ds = _dataset(n)
-    torch.manual_seed(0)
-    ref = nn.Linear(3, 1).double()
+    ref = _model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for epoch in range(2):
         shards = [_oracle(n, world, r, 4, epoch, False) for r in range(world)]
