@@ -43,17 +43,38 @@ def test_contenders_and_decide() -> None:
 
 
 def test_trial_drops_pauses_and_fills_what_it_lost() -> None:
-    """A step that took a pause (an evaluation, another job's round) is dropped, and an iteration left
-    without a sample counts the other contenders' figure for it (neither wins nor loses by it)."""
-    t = ScheduleTrial(2, 2, 1)
-    t.record(0, 9.0)  # contender 0, iteration 0: only a pause
-    t.record(1, 1.0)
-    t.advance()
-    t.record(0, 1.5)
-    t.record(1, 1.2)
-    t.advance()
+    """A step that took a pause (an evaluation, another job's round) in one of a contender's periods is
+    dropped by the minimum; an iteration left without a sample counts the other contenders' figure for it
+    (neither wins nor loses by it)."""
+    t = ScheduleTrial(2, 2, 2)
+    for c0_first in (9.0, 1.4):  # contender 0, iteration 0: a pause, then its real time
+        t.record(0, c0_first)
+        t.record(1, 1.0)
+        t.advance()
+        t.record(1, 1.2)  # contender 1: iteration 0 never recorded (the step after a switch, say)
+        t.advance()
     assert t.current() is None
-    assert t.measured() == [1.5 + 1.0, 1.5 + 1.2]
+    assert t.measured() == [1.4 + 1.0, 1.4 + 1.2]
+
+
+def test_a_slow_step_every_period_is_the_schedule_s_own_time() -> None:
+    """A schedule that averages a whole large layer in one iteration is slow there in every period: that
+    step is its cost, not a pause (it was dropped as an outlier before, and a whole-layer schedule then
+    measured faster than its chunked rival and lost 25 % in training). So is the wait at the period's end
+    for averagings still in flight."""
+    t = ScheduleTrial(2, 5, 2)
+    for _ in range(2):
+        for h in range(5):
+            t.record(h, 0.35 if h == 4 else 0.07)  # whole layers: one heavy iteration
+        t.drain(0.05)  # and its tail, waited for at the boundary
+        t.advance()
+        for h in range(5):
+            t.record(h, 0.11)  # chunks: spread evenly
+        t.drain(0.0)
+        t.advance()
+    got = t.measured()
+    assert got[0] == pytest.approx(4 * 0.07 + 0.35 + 0.05) and got[1] == pytest.approx(5 * 0.11)
+    assert decide(got) == 1
 
 
 def test_trial_bookkeeping_and_json() -> None:

@@ -14,9 +14,12 @@ themselves differ by a few percent in prediction and measurement alike, and two 
 20-step warm-up at H = 5), and they are measured where they will run: each contender runs whole periods of real training, interleaved
 (A B A B ...: slow drift of the machine hits every contender alike), switched at period boundaries
 (a layer is then averaged at most ``2H - 1`` iterations apart, once). A contender's measured period is
-the sum over the period's iterations of the FASTEST sample of that iteration, samples over
-:data:`OUTLIER` times the trial's median step dropped (a pause of the training loop, an evaluation or
-another job's round, lands in one sample); the ranks agree on the
+the sum over the period's iterations of the FASTEST sample of that iteration over the contender's
+periods (a pause of the training loop, an evaluation or another job's round, lands in one sample and
+is dropped by the minimum; a step the schedule makes slow every period, the one averaging a whole large
+layer, is kept), its last iteration including the wait for the averagings still in flight at the
+period's end (:meth:`ScheduleTrial.drain`: a schedule that pushes its communication to the end of the
+period pays for it there, not the next contender); the ranks agree on the
 slowest rank's figures (one small allreduce, done by the caller); the fastest measured contender wins,
 the predicted best on a tie within :data:`TIE`. Every rank decides from the same numbers, so every rank
 switches to the same schedule. No step is wasted: every trial period trains.
@@ -41,8 +44,6 @@ TIE = 0.03
 #: after a trial, a winner measured more than this fraction off its prediction has the links measured
 #: again (``refit_comm``) and the candidates chosen again, once per profile
 MISMATCH = 0.15
-#: a step sample over this many times the trial's median step is a pause, not the schedule's time
-OUTLIER = 3.0
 #: periods each contender runs during a trial (interleaved)
 DEFAULT_TRIAL_PERIODS = 2
 
@@ -124,6 +125,14 @@ class ScheduleTrial:
         if c is not None and 0 <= position < self.period and seconds >= 0.0:
             self.samples[c][position].append(float(seconds))
 
+    def drain(self, seconds: float) -> None:
+        """At the end of the current trial period: the wait for its averagings still in flight, added to
+        its last iteration's sample (the period's own communication, however late it was scheduled)."""
+        c = self.current()
+        last = self.samples[c][self.period - 1] if c is not None else []
+        if last and seconds > 0.0:
+            last[-1] += float(seconds)
+
     def advance(self) -> int | None:
         """At a period boundary: the current trial period is complete; the contender of the next one."""
         if self.done < self.total:
@@ -131,12 +140,10 @@ class ScheduleTrial:
         return self.current()
 
     def measured(self) -> list[float]:
-        """Each contender's period: the sum over iterations of its fastest sample, samples over
-        :data:`OUTLIER` times the median of all samples dropped; an iteration left with no sample counts
-        the median over contenders of that iteration's fastest (inf when no contender has one)."""
-        every = sorted(x for per in self.samples for s in per for x in s)
-        cap = OUTLIER * every[len(every) // 2] if every else float("inf")
-        best = [[min((x for x in s if x <= cap), default=None) for s in per] for per in self.samples]
+        """Each contender's period: the sum over iterations of its fastest sample (over its trial
+        periods: a pause lands in one of them); an iteration without a sample counts the median over
+        contenders of that iteration's fastest (inf when no contender has one)."""
+        best = [[min(s, default=None) for s in per] for per in self.samples]
         out = []
         for per in best:
             total = 0.0
