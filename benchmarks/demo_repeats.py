@@ -129,10 +129,9 @@ def main() -> int:
     if not folders:
         for k in range(1, ns.runs + 1):
             folder = ns.out / f"run{k}"
-            print(f"run {k}/{ns.runs}: lowband demo --out {folder}", flush=True)
-            done = subprocess.run(
-                [sys.executable, "-m", "lowband.cli", "demo", "--out", str(folder)], check=False
-            )
+            print(f"run {k}/{ns.runs}: lowband demo --out {folder} {' '.join(demo_args)}", flush=True)
+            cmd = [sys.executable, "-m", "lowband.cli", "demo", "--out", str(folder), *demo_args]
+            done = subprocess.run(cmd, check=False)
             if done.returncode != 0:
                 print(f"run {k} failed (exit status {done.returncode})", file=sys.stderr)
                 return 1
