@@ -65,12 +65,10 @@ def test_a_slow_step_every_period_is_the_schedule_s_own_time() -> None:
     t = ScheduleTrial(2, 5, 2)
     for _ in range(2):
         for h in range(5):
-            t.record(h, 0.35 if h == 4 else 0.07)  # whole layers: one heavy iteration
-        t.drain(0.05)  # and its tail, waited for at the boundary
+            t.record(h, 0.35 + 0.05 if h == 4 else 0.07)  # whole layers: one heavy iteration + its tail
         t.advance()
         for h in range(5):
             t.record(h, 0.11)  # chunks: spread evenly
-        t.drain(0.0)
         t.advance()
     got = t.measured()
     assert got[0] == pytest.approx(4 * 0.07 + 0.35 + 0.05) and got[1] == pytest.approx(5 * 0.11)

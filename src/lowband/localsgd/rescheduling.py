@@ -133,14 +133,15 @@ class ScheduledStrategy(Strategy):
             if self.averager.timing and self.steps % self.period == 0:
                 self._check_drift()
             return
+        boundary = self.steps % self.period == 0
+        if boundary:
+            self.synchronize()  # the period's averagings still in flight: its last step's time
+            now = time.perf_counter()
         if last is not None:
             trial.record((self.steps - 1) % self.period, now - last)
-        if self.steps % self.period:
+        if not boundary:
             return
         assert self.profile is not None
-        t0 = time.perf_counter()
-        self.synchronize()  # the period's averagings still in flight are its own time
-        trial.drain(time.perf_counter() - t0)
         nxt = trial.advance()
         if nxt is not None:
             if self._candidates[nxt] != (self.split_bytes, self.schedule):

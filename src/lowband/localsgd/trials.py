@@ -18,8 +18,8 @@ the sum over the period's iterations of the FASTEST sample of that iteration ove
 periods (a pause of the training loop, an evaluation or another job's round, lands in one sample and
 is dropped by the minimum; a step the schedule makes slow every period, the one averaging a whole large
 layer, is kept), its last iteration including the wait for the averagings still in flight at the
-period's end (:meth:`ScheduleTrial.drain`: a schedule that pushes its communication to the end of the
-period pays for it there, not the next contender); the ranks agree on the
+period's end (the caller waits for them before it records that step: a schedule that pushes its
+communication to the end of the period pays for it there, not the next contender); the ranks agree on the
 slowest rank's figures (one small allreduce, done by the caller); the fastest measured contender wins,
 the predicted best on a tie within :data:`TIE`. Every rank decides from the same numbers, so every rank
 switches to the same schedule. No step is wasted: every trial period trains.
@@ -124,14 +124,6 @@ class ScheduleTrial:
         c = self.current()
         if c is not None and 0 <= position < self.period and seconds >= 0.0:
             self.samples[c][position].append(float(seconds))
-
-    def drain(self, seconds: float) -> None:
-        """At the end of the current trial period: the wait for its averagings still in flight, added to
-        its last iteration's sample (the period's own communication, however late it was scheduled)."""
-        c = self.current()
-        last = self.samples[c][self.period - 1] if c is not None else []
-        if last and seconds > 0.0:
-            last[-1] += float(seconds)
 
     def advance(self) -> int | None:
         """At a period boundary: the current trial period is complete; the contender of the next one."""
