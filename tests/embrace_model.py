@@ -3,11 +3,14 @@ single-process oracle (test fixtures for the ``embrace`` strategy)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+M = TypeVar("M", bound=nn.Module)
 
 VOCAB, DIM, CLASSES = 13, 5, 3
 
@@ -54,7 +57,15 @@ def make_optimizer(kind: str) -> object:
 def oracle(n: int, steps: int, kind: str, *, lazy: bool, dim: int = DIM) -> Net:
     """The single-process model on every rank's batch, the ranks' losses averaged. ``lazy``: the
     table as a sparse-gradient table stepped by torch's SparseAdam (lazy Adam)."""
-    m = Net(dim)
+    return train_oracle(Net(dim), n, steps, kind, lazy=lazy, loss_fn=loss, batch_fn=batch)
+
+
+def train_oracle(
+    m: M, n: int, steps: int, kind: str, *, lazy: bool, loss_fn: Callable[[Any, Any], torch.Tensor],
+    batch_fn: Callable[[int, int], Any],
+) -> M:  # fmt: skip
+    """Train ``m`` (its table ``m.emb``) as one process on every rank's batch ``batch_fn(rank, step)``,
+    the ranks' losses averaged; ``lazy``: the table stepped by torch's SparseAdam."""
     table = [m.emb.weight]
     dense = [p for p in m.parameters() if p is not m.emb.weight]
     make = make_optimizer(kind)
@@ -67,7 +78,7 @@ def oracle(n: int, steps: int, kind: str, *, lazy: bool, dim: int = DIM) -> Net:
     for k in range(steps):
         opt_dense.zero_grad()
         opt_table.zero_grad()
-        (sum(loss(m, batch(r, k)) for r in range(n)) / n).backward()  # type: ignore[union-attr]
+        (sum(loss_fn(m, batch_fn(r, k)) for r in range(n)) / n).backward()  # type: ignore[union-attr]
         opt_dense.step()
         opt_table.step()
     m.emb.sparse = False

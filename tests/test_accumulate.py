@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_loop_api import _model  # the same small model: an embedding table, then dense layers
 from torch import nn
 
 import lowband
@@ -52,26 +53,6 @@ PARTIAL_SYNC = ("dreamddp", "plsgd-enp", "flsgd-overlap")
 PROCESS_ONLY = ("ddp", "ddp-sparse", "powersgd")  # torch DDP: process-wide groups
 #: not comparable run to run (reason); checked for running and counting steps
 NOT_EXACT = {"winput": "asynchronous puts: the combined values depend on arrival times"}
-
-
-class _Model(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 4)
-        self.head = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids = (x.abs() * 7).long() % 16
-        return self.head(self.emb(ids).mean(1))  # type: ignore[no-any-return]
-
-
-def _model() -> nn.Module:
-    g = torch.Generator().manual_seed(11)
-    m = _Model().double()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
-    return m
 
 
 def _micro(rank: int, step: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from embrace_model import CLASSES, DIM, VOCAB, make_optimizer
+from embrace_model import CLASSES, DIM, VOCAB, make_optimizer, train_oracle
 from torch import nn
 
 import lowband
@@ -60,24 +60,7 @@ def loss(m: nn.Module, b: Batch) -> torch.Tensor:
 def oracle(n: int, steps: int, kind: str, *, lazy: bool) -> TwiceNet:
     """The single-process model on every rank's batch, the ranks' losses averaged (``lazy``: the table
     stepped by torch's SparseAdam, as the vertical and 2D schedules step it)."""
-    m = TwiceNet()
-    table = [m.emb.weight]
-    dense = [p for p in m.parameters() if p is not m.emb.weight]
-    make = make_optimizer(kind)
-    opt_dense = make(dense)  # type: ignore[operator]
-    if lazy and kind == "adam":
-        m.emb.sparse = True
-        opt_table: torch.optim.Optimizer = torch.optim.SparseAdam(table, lr=0.05)
-    else:
-        opt_table = make(table)  # type: ignore[operator]
-    for k in range(steps):
-        opt_dense.zero_grad()
-        opt_table.zero_grad()
-        (sum(loss(m, batch(r, k)) for r in range(n)) / n).backward()  # type: ignore[union-attr]
-        opt_dense.step()
-        opt_table.step()
-    m.emb.sparse = False
-    return m
+    return train_oracle(TwiceNet(), n, steps, kind, lazy=lazy, loss_fn=loss, batch_fn=batch)
 
 
 def _run(schedule: str, kind: str) -> dict[str, Any]:
