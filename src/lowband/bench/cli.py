@@ -177,8 +177,8 @@ DEMO_STRATEGIES = ["ddp", "powersgd", "localsgd:period=5", "dreamddp:period=5", 
 def demo_ranks(cores: int) -> int:
     """The demo's ranks on a machine of ``cores`` cores: one per core, 2 to 4. Ranks sharing a core
     compete with each other's communication threads, so communication overlapped with computation (what
-    DreamDDP schedules) slows down several-fold there (the profile's measured sigma: 2-14 with 4 ranks on
-    2 cores against 0.0-0.1 with 2); ``-n 4`` runs 4 anyway."""
+    DreamDDP schedules) slows down several-fold there (the profile's measured sigma: 0.4-14 over ten demo
+    runs of 4 ranks on 2 cores, 0.0 with 2 ranks); ``-n 4`` runs 4 anyway."""
     return min(4, max(2, cores))
 
 
