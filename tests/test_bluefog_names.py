@@ -355,3 +355,34 @@ def test_signatures_of_the_added_names(name: str) -> None:
             assert p.default is None
         if p.name == "construct_adjacency_matrix":
             assert p.default is False
+
+
+NEIGHBOR_WIN = ["put", "put_nonblocking", "get", "get_nonblocking", "accumulate", "accumulate_nonblocking"]
+
+
+@pytest.mark.parametrize("op", NEIGHBOR_WIN)
+def test_neighbor_win_names_are_the_window_ops(op: str) -> None:
+    alias, name = getattr(bf, f"neighbor_win_{op}"), getattr(bf, f"win_{op}")
+    assert alias.__wrapped__ is name.__wrapped__
+    assert f"neighbor_win_{op}" in bf.__all__
+
+
+def test_neighbor_win_ops_move_what_win_ops_move() -> None:
+    def fn() -> list[torch.Tensor]:
+        bf.init(topology_fn=torch_tu.RingGraph)
+        r, ins = bf.rank(), bf.in_neighbor_ranks()
+        bf.win_create(_x(r), "a")
+        bf.win_create(torch.zeros(5, dtype=torch.float64), "b", zero_init=True)
+        assert bf.neighbor_win_put(_x(r), "a")
+        assert bf.win_wait(bf.neighbor_win_accumulate_nonblocking(_x(r), "b", 1.0))
+        bf.barrier()
+        got = [bf.win_update("a", 0.0, {q: 1.0 for q in ins}, clone=True)]
+        got.append(bf.win_update("b", 0.0, {q: 1.0 for q in ins}, clone=True))
+        bf.barrier()
+        bf.win_free()
+        return got
+
+    for r, (a, b) in enumerate(run_threads(fn, 3)):
+        expect = sum(_x(q) for q in ((r - 1) % 3, (r + 1) % 3) if q != r)
+        assert torch.allclose(a, expect, atol=1e-12), r
+        assert torch.allclose(b, expect, atol=1e-12), r

@@ -222,6 +222,12 @@ __all__ = [
     "neighbor_allgather_nonblocking",
     "neighbor_allreduce",
     "neighbor_allreduce_nonblocking",
+    "neighbor_win_accumulate",
+    "neighbor_win_accumulate_nonblocking",
+    "neighbor_win_get",
+    "neighbor_win_get_nonblocking",
+    "neighbor_win_put",
+    "neighbor_win_put_nonblocking",
     "optimizer_factory",
     "out_neighbor_machine_ranks",
     "out_neighbor_ranks",
@@ -261,6 +267,15 @@ __all__ = [
     "win_update_then_collect",
     "win_wait",
 ]  # fmt: skip
+
+# the window ops under their neighbor_win_* names as well (some BlueFog material calls them so; the
+# BlueFog sources stored up to commit d5fae5b export only win_*): the same functions, either name works
+neighbor_win_accumulate = win_accumulate
+neighbor_win_accumulate_nonblocking = win_accumulate_nonblocking
+neighbor_win_get = win_get
+neighbor_win_get_nonblocking = win_get_nonblocking
+neighbor_win_put = win_put
+neighbor_win_put_nonblocking = win_put_nonblocking
 
 # an op called before bf.init() says to call bf.init() (not lowband.init())
 _needs_init.wrap_public(globals(), __all__)
