@@ -18,6 +18,7 @@ compression from communication (the complaint about GRACE that it cannot).
 from __future__ import annotations
 
 import abc
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -124,6 +125,8 @@ class CompressedReducer(Reducer):
             payload, local = self.encode(p, cctx, segs, ctx.group, decode=decode)
             if local is not None:
                 self.memory.update(segs, p, local)
+            if ctx.nonfinite is not None:  # this rank's unit held inf/NaN (zeroed): NaN on the wire
+                poison_(payload.data[0], ctx.nonfinite)
         self.timings.compress_s += time.perf_counter() - t0
         self.timings.units += 1
         h = self.exchange(payload, cctx, unit, ctx.group)
@@ -211,6 +214,16 @@ def make_reducer(
     return cls(compressor, memory, **got)
 
 
+def poison_(wire: Tensor, flag: Tensor) -> None:
+    """Make a summed payload's first element NaN where ``flag`` (1 element) is set, so that every rank's
+    sum is NaN (:mod:`lowband.optim.nonfinite`); device-side, no host synchronisation."""
+    if wire.numel() == 0:
+        return
+    head = wire.view(-1)[:1]
+    nan = torch.tensor(math.nan, dtype=head.dtype, device=head.device)
+    head.copy_(torch.where(flag.to(head.device) > 0, nan, head))
+
+
 @TRANSPORTS.registering(
     "allreduce", "payloads summed on the wire (summable formats: casts)", TRANSPORT_OPTIONS
 )
@@ -219,6 +232,8 @@ class AllreduceCompressedReducer(CompressedReducer):
     decoded once and divided by the group size."""
 
     transport = "allreduce"
+    # a summable payload carries a rank's NaN to every rank's sum; the memory never sees it
+    carries_nonfinite = "poison"
 
     def check_compressor(self, compressor: Compressor) -> None:
         if not compressor.summable:

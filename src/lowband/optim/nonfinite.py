@@ -14,8 +14,18 @@ Where the check runs (always device-side, fused with work already done, no host 
 
 Then, once per step, before the optimizer step, :meth:`NonFiniteGuard.decide` makes the ranks agree: one
 allreduce-max of a vector of ``world`` floats (this rank's slot: the position + 1 of its first non-finite
-unit, 0 when clean) and one host read of it, the decision every policy needs on the host anyway. By the
-policy (the ``on_nonfinite`` option of every strategy):
+unit, 0 when clean) and one host read of it, the decision every policy needs on the host anyway.
+
+The flag rides the data where the data is an average. A unit reduced by a plain allreduce of the
+gradients (``AllreduceReducer`` on a stage that steps after the whole backward; torch DDP's buckets,
+checked in lowband's allreduce comm hook) holds no state a NaN could poison, and the sum carries any
+rank's NaN or infinity to every rank: such a unit is checked (``carried=True``) but not zeroed, and its
+averaged gradients, identical on every rank, are checked again in :meth:`NonFiniteGuard.decide`. When
+everything a strategy checks is carried (:attr:`NonFiniteGuard.rides_data`, set by the strategy), the
+exchange above is skipped on the clean steps; a non-finite average, seen alike by every rank, then runs
+the exchange once to name the ranks whose own gradients held it (none: the sum overflowed).
+
+By the policy (the ``on_nonfinite`` option of every strategy):
 
 - ``"raise"`` (the default): :class:`~lowband.errors.NonFiniteError` on every rank, naming each rank that
   held a non-finite value, its unit and the step;
@@ -87,6 +97,10 @@ class NonFiniteGuard:
         self.stages: list[GradientStage] = []
         self._flags: list[Tensor] = []  # this round's unit flags (device, 1 element), in check order
         self._labels: list[str] = []
+        #: this round's carried units (module docstring): label, gradients (averaged in place), own flag
+        self._carried: list[tuple[str, list[Tensor], Tensor]] = []
+        #: every check is carried by the data (set by the strategy): no exchange on a clean step
+        self.rides_data = False
         self._ones: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         #: state put back on a skipped step besides the stages' reducers (e.g. PowerSGD's comm hook)
         self.restorers: list[Callable[[], None]] = []
@@ -101,50 +115,56 @@ class NonFiniteGuard:
         """ids of the parameters the attached stages check (stages with their hooks on)."""
         return {id(p) for s in self.stages if s.enabled for u in s.units for p in u.params}
 
-    def check_(self, grads: Sequence[Tensor], label: str) -> None:
-        """One unit: flag (and zero) inf/NaN on the device, no host synchronisation."""
+    def check_(
+        self, grads: Sequence[Tensor], label: str, *, carried: bool = False, zero: bool = True
+    ) -> Tensor | None:
+        """One unit: flag (and zero) inf/NaN on the device, no host synchronisation; returns the flag.
+        ``carried``: the unit's average, about to be computed, carries the value to every rank (module
+        docstring); ``zero=False`` leaves the gradients as they are (a stateless average)."""
         if not self.enabled or not grads:
-            return
+            return None
+        if carried and len({g.device for g in grads}) == 1:
+            flag = _flag(grads, zero=zero, ones=self._ones)
+            self._carried.append((label, list(grads), flag))
+            return flag
         by_device: dict[torch.device, list[Tensor]] = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
-        for dev, gs in by_device.items():
-            if dev.type == "cpu":
-                # on the CPU a host decision costs nothing: one read pass (the sums: inf/NaN anywhere
-                # makes them non-finite), confirmed element-wise only if a sum is not finite (large
-                # finite values can overflow a sum); gradients written only when one is bad
-                dense = [g._values() if g.is_sparse else g for g in gs]
-                sums = [g.sum(dtype=torch.float32 if g.element_size() < 4 else None) for g in dense]
-                bad = bool(sums) and not bool(torch.isfinite(torch.stack([x.double() for x in sums]).sum()))
-                if bad:
-                    bad = not all(bool(torch.isfinite(g).all()) for g in dense)
-                if bad:
-                    for g in gs:
-                        (g._values() if g.is_sparse else g).zero_()
-                self._flags.append(torch.full((1,), float(bad), dtype=torch.float32, device="cpu"))
-            else:  # on an accelerator: flagged and zeroed on the device, no host synchronisation
-                one = self._ones.get((dev, torch.float32))
-                if one is None:
-                    one = self._ones[(dev, torch.float32)] = torch.ones(1, dtype=torch.float32, device=dev)
-                self._flags.append(zero_nonfinite_(gs, one))
+        for gs in by_device.values():
+            self._flags.append(_flag(gs, zero=True, ones=self._ones))
             self._labels.append(label)
+        return None
 
     def discard(self) -> None:
         """Forget this round's flags (a pass that is not stepped)."""
-        self._flags, self._labels = [], []
+        self._flags, self._labels, self._carried = [], [], []
 
     def decide(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> bool:
         """Collective over the strategy's group, once per step before stepping: True to step; False
         (``skip``, on every rank alike) after gradients set to None and reducer states put back; raises
         :class:`NonFiniteError` on every rank (``raise``). ``params``: named parameters whose gradients no
-        stage checked (checked here, not zeroed)."""
+        stage checked (checked here, not zeroed; under :attr:`rides_data` they are the strategy's own
+        averages, checked as the carried units' are)."""
         if not self.enabled:
             return True
         grads = [(n, p.grad) for n, p in params if p.grad is not None]
-        if grads:
+        if grads and not self.rides_data:
             self.check_([g for _, g in grads], "")  # label filled in on the failure path
-        flags, labels = self._flags, self._labels
+        for stage in self.stages:  # the carried units' averages are read below: complete them
+            if stage.carries_nonfinite() and stage.pending():
+                stage.wait()
+        carried = self._carried
+        flags = self._flags + [f for _, _, f in carried]
+        labels = self._labels + [label for label, _, _ in carried]
+        exchange = bool(self._flags) or not self.rides_data
         self.discard()
+        # the carried units' averages: identical on every rank, so is this check's outcome
+        averaged = [g for _, gs, _ in carried for g in gs]
+        if self.rides_data and grads:  # the strategy's own averages (torch DDP's: its buckets' copies)
+            averaged = [g for _, g in grads]
+        spread = bool(averaged) and _any_nonfinite(averaged)
+        if not exchange and not spread:
+            return True  # every rank's flag rode its data, and the averages are finite
         dev = flags[0].device if flags else torch.device("cpu")
         local = torch.zeros(1, dtype=torch.float32, device=dev)
         if flags:
@@ -152,7 +172,9 @@ class NonFiniteGuard:
             # position + 1 of the first flagged unit, 0 when none (device-side)
             pos = torch.arange(1, len(flags) + 1, dtype=torch.float32, device=dev)
             local = torch.where(bad, pos, float(len(flags) + 1)).min().reshape(1)
-            local = torch.where(local > len(flags), 0.0, local)
+            local = torch.where(local > len(flags), float(len(flags) + 1) if spread else 0.0, local)
+        elif spread:
+            local.fill_(1.0)
         vec = torch.zeros(self.group.size, dtype=torch.float32, device=dev)
         vec[self.group.rank : self.group.rank + 1] = local
         if self.group.size > 1:
@@ -178,8 +200,15 @@ class NonFiniteGuard:
         self, found: list[int], labels: list[str], grads: Sequence[tuple[str, Tensor]]
     ) -> NonFiniteError:
         parts = []
+        if all(k > len(labels) for k in found):  # every rank's own gradients were finite
+            return NonFiniteError(
+                f"{self.where}: the averaged gradient was non-finite (Inf or NaN) at step {self._step()} "
+                "although every rank's own gradients were finite: their sum overflowed; raised on every "
+                "rank. Lower the learning rate or the loss's scale, or pass on_nonfinite='skip' to skip "
+                "such steps on every rank"
+            )
         for r, k in enumerate(found):
-            if not k:
+            if not k or k > len(labels):
                 continue
             label = labels[k - 1] if k <= len(labels) else ""
             if not label:  # outside the stages: this rank knows which parameter
@@ -194,6 +223,44 @@ class NonFiniteGuard:
             "its cause (learning rate, loss, inputs), or pass on_nonfinite='skip' to skip such steps on "
             "every rank"
         )
+
+
+def _flag(
+    grads: Sequence[Tensor], *, zero: bool, ones: dict[tuple[torch.device, torch.dtype], Tensor]
+) -> Tensor:
+    """1.0 where ``grads`` (one device) hold inf/NaN, else 0.0, as a 1-element float32 tensor on their
+    device; with ``zero`` every one of them is zeroed when one is bad."""
+    dev = grads[0].device
+    if dev.type == "cpu":
+        # on the CPU a host decision costs nothing: one read pass (the sums), confirmed element-wise
+        # only if a sum is not finite; gradients written only when one is bad
+        bad = _any_nonfinite(grads)
+        if bad and zero:
+            for g in grads:
+                (g._values() if g.is_sparse else g).zero_()
+        return torch.full((1,), float(bad), dtype=torch.float32, device="cpu")
+    # on an accelerator: flagged (and zeroed) on the device, no host synchronisation
+    one = ones.get((dev, torch.float32))
+    if one is None:
+        one = ones[(dev, torch.float32)] = torch.ones(1, dtype=torch.float32, device=dev)
+    if zero:
+        return zero_nonfinite_(grads, one)
+    flag = torch.zeros(1, dtype=torch.float32, device=dev)
+    with torch.no_grad():  # multiplied by 1: torch's fused check, nothing written
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [g._values() if g.is_sparse else g for g in grads], flag, one
+        )
+    return flag
+
+
+def _any_nonfinite(grads: Sequence[Tensor]) -> bool:
+    """True if any of ``grads`` holds inf/NaN (a host decision: one read pass, the sums, in float64 on
+    the host; a non-finite sum confirmed element-wise, since large finite values can overflow it)."""
+    dense = [g._values() if g.is_sparse else g for g in grads]
+    sums = [g.sum(dtype=torch.float32 if g.element_size() < 4 else None) for g in dense]
+    if not sums or bool(torch.isfinite(torch.stack([x.double().cpu() for x in sums]).sum())):
+        return False
+    return not all(bool(torch.isfinite(g).all()) for g in dense)
 
 
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:

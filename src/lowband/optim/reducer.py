@@ -53,10 +53,18 @@ class ReduceContext:
 
     group: Group
     step: int
+    #: the unit's non-finite flag (1 element, 1.0: this rank's gradients held inf/NaN and were zeroed) for
+    #: a reducer that carries it in its payload (``carries_nonfinite == "poison"``), else None
+    nonfinite: Tensor | None = None
 
 
 class Reducer(abc.ABC):
     """Reduces one unit's gradients over a group; see the module docstring."""
+
+    #: how a rank's inf/NaN may reach every rank with the data (lowband.optim.nonfinite): "" (it may not:
+    #: the unit is zeroed and the flags exchanged), "raw" (a stateless average carries it as it is) or
+    #: "poison" (the unit is zeroed before any state sees it, and the payload made NaN on the wire)
+    carries_nonfinite = ""
 
     @abc.abstractmethod
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
@@ -76,6 +84,9 @@ class Reducer(abc.ABC):
 
 class AllreduceReducer(Reducer):
     """The average over the group, in place, in one fused allreduce per unit."""
+
+    #: stateless, identical result on every rank: a rank's inf/NaN reaches every rank's average
+    carries_nonfinite = "raw"
 
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
         one_buffer = sum(g.numel() * g.element_size() for g in grads) + 1

@@ -229,10 +229,13 @@ class GradientStage:
             grads.append(p.grad)
         if self.unscaler is not None:
             self.unscaler.unscale_(grads)
-        elif self.guard is not None:
-            self.guard.check_(grads, unit.key)
+        flag = None
+        if self.unscaler is None and self.guard is not None:
+            carry = self.carries_nonfinite()
+            flag = self.guard.check_(grads, unit.key, carried=bool(carry), zero=carry != "raw")
+            flag = flag if carry == "poison" else None
         t0 = time.perf_counter()
-        h = self.reducer.reduce(unit, grads, ReduceContext(self._fast, self.rounds))
+        h = self.reducer.reduce(unit, grads, ReduceContext(self._fast, self.rounds, flag))
         self.reduce_s += time.perf_counter() - t0
         self._handles[i] = (h, grads)
 
@@ -288,6 +291,14 @@ class GradientStage:
         self.rounds += 1
         self._passes = 0
         self._open = False
+
+    def carries_nonfinite(self) -> str:
+        """How a unit's inf/NaN rides its reduction to every rank (:attr:`Reducer.carries_nonfinite`,
+        :mod:`lowband.optim.nonfinite`); "" when it cannot (no reducer, or units stepped during backward,
+        before the whole step is decided)."""
+        if self.reducer is None or self.on_reduced is not None:
+            return ""
+        return self.reducer.carries_nonfinite
 
     # -- what the stepping side calls ------------------------------------------------------------
     def pending(self) -> bool:

@@ -27,6 +27,12 @@ average) and ``GradScaler.unscale_`` / ``step`` / ``update`` decide alike on eve
 communication. ``powersgd`` cannot: its error-feedback memory would hold scaled values and be poisoned
 for good by one overflow. Its comm hook therefore unscales each bucket first (a bucket holding inf/NaN
 on this rank is zeroed, :mod:`lowband.optim.scaling`), and the ranks agree on the flag before the step.
+
+Non-finite gradients (:mod:`lowband.optim.nonfinite`). ``ddp`` checks each bucket in a comm hook, torch's
+``allreduce_hook`` after the check: a rank's inf/NaN rides the average to every rank (nothing stateful
+sees it), so a clean step needs no exchange of flags; the averaged gradients are checked before the
+step, and only a non-finite one makes the ranks exchange who held it. ``powersgd`` zeroes a bad bucket
+before PowerSGD's memory sees it and the ranks agree on the flag every step.
 """
 
 from __future__ import annotations
@@ -74,6 +80,31 @@ class _DDP(DistributedDataParallel):
             return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
 
 
+@dataclass
+class _CheckedAllreduce:
+    """The comm hook's state under the non-finite policy: the guard, and whether it checks this step."""
+
+    pg: Any
+    guard: NonFiniteGuard
+    active: Any  # () -> bool
+
+
+def _checked_allreduce_hook(
+    state: _CheckedAllreduce, bucket: GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """torch's ``allreduce_hook`` after the bucket's inf/NaN check (carried: not zeroed, module docstring)."""
+    if state.active():
+        state.guard.check_([bucket.buffer()], f"DDP bucket {bucket.index()}", carried=True, zero=False)
+    return default_hooks.allreduce_hook(state.pg, bucket)
+
+
+_checked_allreduce_hook.__annotations__ = {
+    "state": _CheckedAllreduce,
+    "bucket": GradBucket,
+    "return": torch.futures.Future[torch.Tensor],
+}
+
+
 @register_strategy(
     "ddp",
     "S-SGD: torch DDP, bucketed allreduce overlapped with backward (WFBP)",
@@ -91,6 +122,8 @@ class DDPStrategy(Strategy):
     # fp16: torch's own path (module docstring): identical averaged gradients on every rank
     no_grad_scaler_reason = None
     agree_found_inf = False
+    #: the non-finite check in lowband's allreduce comm hook, the flag riding the average (module docstring)
+    carry_nonfinite = True
 
     def __init__(
         self,
@@ -111,6 +144,7 @@ class DDPStrategy(Strategy):
             init_sync=claim_initial_broadcast(),
         )
         self.ddp.lowband_errors = (self.name, group)
+        self._checked: _CheckedAllreduce | None = None
         if _TORCH_HOOKS[hook] is not None:
             self.ddp.register_comm_hook(group.pg, _TORCH_HOOKS[hook])
         super().__init__(model, make_optimizer(model.parameters()), group)
@@ -124,6 +158,17 @@ class DDPStrategy(Strategy):
     @property
     def module(self) -> nn.Module:
         return self.ddp
+
+    def set_nonfinite(self, policy: str) -> None:
+        super().set_nonfinite(policy)
+        guard = self.nonfinite
+        if guard is None or not guard.enabled or not self.carry_nonfinite or self.hook != "none":
+            return
+        if self._checked is None:  # a comm hook is registered once
+            self._checked = _CheckedAllreduce(self.group.pg, guard, lambda: self.grad_scaler is None)
+            self.ddp.register_comm_hook(self._checked, _checked_allreduce_hook)
+        self._checked.guard = guard
+        guard.rides_data = True
 
     def _before_forward(self, _module: nn.Module, _args: Any) -> None:
         # DDP reads it in this forward: whether the coming backward reduces (accumulate; the rebucketing
@@ -253,6 +298,7 @@ class PowerSGDStrategy(DDPStrategy):
     # fp16: each bucket unscaled (zeroed on overflow) in the comm hook, the flag agreed before the step
     unscale_per_unit = True
     agree_found_inf = True
+    carry_nonfinite = False  # PowerSGD's error memory must never see a NaN: zeroed and agreed
 
     def __init__(
         self,

@@ -267,6 +267,7 @@ class DDPSparseStrategy(DDPStrategy):
     they are made dense before the torch optimizer steps (module docstring: optimizer semantics)."""
 
     name = "ddp-sparse"
+    carry_nonfinite = False  # sparse buckets: DDP's own path, the flags agreed
 
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, bucket_cap_mb: float = 25.0

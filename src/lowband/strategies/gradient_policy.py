@@ -120,6 +120,17 @@ class GradientPolicies:
         )
         for stage in self.gradient_stages():
             self.nonfinite.attach(stage)
+        self.nonfinite.rides_data = self.nonfinite_rides_data()
+
+    def nonfinite_rides_data(self) -> bool:
+        """True if every gradient the non-finite guard sees is averaged by a plain allreduce before the
+        step is decided (:mod:`lowband.optim.nonfinite`: no exchange on clean steps): by default, when
+        the gradient stages cover every trainable parameter and each carries its inf/NaN."""
+        guard = self.nonfinite
+        if guard is None or not guard.stages or not all(s.carries_nonfinite() for s in guard.stages):
+            return False
+        trainable = {id(p) for p in self.local_module.parameters() if p.requires_grad}
+        return trainable <= guard.covered()
 
     def nonfinite_channel(self) -> Group | None:
         """A private group to agree the non-finite flags on, for strategies whose data group another
