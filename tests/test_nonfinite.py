@@ -224,3 +224,48 @@ def test_cpu_check_reads_once_and_writes_only_a_bad_unit() -> None:
     element), an empty gradient is fine, and only a flagged unit is zeroed."""
     flags, big, bad = run_threads(_guard_on_cpu, 1)[0]
     assert flags == [0.0, 1.0] and big == torch.tensor([3e38, 3e38]).tolist() and bad == [0.0, 0.0, 0.0]
+
+
+def _embrace_row_nan(schedule: str, kind: str) -> dict[str, Any]:
+    """embrace with rank 1's gradient rows of the input table non-finite at BAD_STEP (the dense layers'
+    gradients stay finite: the value enters through a hook on the lookup's output)."""
+    m = em.model(seed=5)
+    s = make_strategy("embrace", m, em.adam, schedule=schedule)
+    rank = lowband.rank()
+    out: dict[str, Any] = {}
+    try:
+        for step in range(STEPS):
+            ids, cand = em.batch(rank, step)
+            v = VALUES[kind] if step == BAD_STEP and rank == 1 else 0.0
+
+            def loss_fn(
+                mod: torch.nn.Module, ids: torch.Tensor = ids, cand: torch.Tensor = cand, v: float = v
+            ) -> torch.Tensor:
+                e = mod.emb(ids)
+                if v:
+                    e.register_hook(lambda g: g + v)
+                h = mod.mlp(e.flatten(1))
+                logits = (mod.out_emb(cand) @ h.unsqueeze(-1)).squeeze(-1)
+                return torch.nn.functional.cross_entropy(
+                    logits, torch.zeros(logits.shape[0], dtype=torch.int64)
+                )
+
+            s.train_step(loss_fn)
+        s.synchronize()
+    except NonFiniteError as exc:
+        out["error"], out["step"] = str(exc), s.steps
+    finally:
+        s.close()
+    out["finite"] = bool(torch.isfinite(em.flat(m)).all())
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["hybrid", "horizontal", "vertical", "2d"])
+@pytest.mark.parametrize("kind", ["nan", "inf"])
+def test_embrace_checks_table_rows_before_they_travel(schedule: str, kind: str) -> None:
+    """A rank's non-finite gradient rows are caught before the all-to-all sends them to their owners:
+    the error names that rank (the owners' shards never see the value), on every rank."""
+    for r, out in enumerate(run_threads(_embrace_row_nan, 2, schedule, kind, timeout=60)):
+        err = out.get("error", "")
+        assert "rank 1 (unit 'emb (embedding rows)')" in err and "rank 0 " not in err, (r, err)
+        assert out["step"] == BAD_STEP and out["finite"], (r, out)

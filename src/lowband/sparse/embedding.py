@@ -15,8 +15,9 @@ Backward: the expansion's gradient is the coalesced gradient (duplicate rows sum
 blocks go back to their owners with the reverse all-to-all (owners know the rows: no indices on the
 wire) and are summed into ``weight.grad``. The gradient is that of the sum of every rank's loss (the
 convention of :mod:`lowband.nn.functional`); a strategy divides by the group size for the mean.
-A strategy may take the backward over (:attr:`gradient_sink`) to split or delay the exchange, and be
-told each call's plan before its lookup (:attr:`on_plan`).
+A strategy may take the backward over (:attr:`gradient_sink`) to split or delay the exchange, be
+told each call's plan before its lookup (:attr:`on_plan`), and check the gradient rows before they
+travel (:attr:`check_gradient`).
 
 Every rank of the group must call the table the same number of times, in the same order.
 """
@@ -61,7 +62,10 @@ class _Lookup(torch.autograd.Function):
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         table: PartitionedEmbedding = ctx.table
         sink = table.gradient_sink or PartitionedEmbedding.exchange_now
-        return sink(table, ctx.plan, grad_rows.contiguous()), None, None, None
+        rows = grad_rows.contiguous()
+        if table.check_gradient is not None:  # before any row travels (a non-finite one is zeroed here)
+            table.check_gradient([rows], f"{table.table_name} (embedding rows)")
+        return sink(table, ctx.plan, rows), None, None, None
 
 
 class PartitionedEmbedding(nn.Module):
@@ -109,6 +113,9 @@ class PartitionedEmbedding(nn.Module):
         self.weight = nn.Parameter(self.spec.slice(dense.weight.detach()), requires_grad=not _freeze)
         self.gradient_sink: GradientSink | None = None
         self.on_plan: PlanHook | None = None
+        #: ``check(rows, label)`` run on this rank's coalesced gradient rows before they are sent (a
+        #: strategy's non-finite check, :mod:`lowband.optim.nonfinite`: zeroes and flags inf/NaN)
+        self.check_gradient: Callable[[list[torch.Tensor], str], object] | None = None
         self._prefetched: list[tuple[torch.Tensor, LookupPlan, Handle[torch.Tensor]]] = []
 
     @classmethod

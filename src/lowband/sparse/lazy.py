@@ -70,10 +70,11 @@ def lazy_step(
     advances it to ``iteration`` however many parts the iteration is applied in."""
     params = [p for g in opt.param_groups for p in g["params"]]
     if isinstance(opt, torch.optim.SparseAdam):
-        fresh = [p for p in params if p in grads and not opt.state.get(p)]
+        # (by identity: ``in`` on a list of tensors would compare their values)
+        fresh = {id(p) for p in params if p in grads and not opt.state.get(p)}
         if fresh:  # torch creates the state on the first call: create it with an empty update
             for p in params:
-                p.grad = _empty(p) if p in fresh else None
+                p.grad = _empty(p) if id(p) in fresh else None
             opt.step()  # type: ignore[no-untyped-call]
     for p in params:
         st = opt.state.get(p)

@@ -274,6 +274,13 @@ class EmbraceStrategy(Strategy):
     def finish_gradients(self) -> None:
         self.stage.wait()
 
+    def set_nonfinite(self, policy: str) -> None:
+        super().set_nonfinite(policy)
+        guard = self.nonfinite
+        check = guard.check_ if guard is not None and guard.enabled else None
+        for table in self.tables.values():  # each rank's rows checked before they travel
+            table.check_gradient = check
+
     def apply_step(self) -> None:
         self.check_nonfinite()  # the non-finite policy, before anything is stepped (Strategy.check_nonfinite)
         if self.vertical is not None:
