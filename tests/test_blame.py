@@ -274,3 +274,34 @@ def test_follow_ons_and_the_users_frame_are_recognised() -> None:
         i for i, x in enumerate(Path(__file__).read_text().splitlines(), 1) if "torch.zeros(2).view(3)" in x
     )
     assert where == f"test_blame.py, line {line}", where
+
+
+def test_a_survivors_timeout_error_names_the_stopped_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under lowband's launchers (LOWBAND_REPORT_DIR with the ranks' pid files) a CommTimeoutError says
+    which peer's process is stopped; once, also after a pickle round trip (errors cross process queues)."""
+    import pickle
+
+    from lowband.errors import CommTimeoutError
+    from lowband.rank_main import write_pid
+
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "1.pid").write_text(str(peer.pid))
+        monkeypatch.setenv("LOWBAND_REPORT_DIR", str(tmp_path))
+        monkeypatch.setenv("RANK", "0")
+        write_pid(str(tmp_path), 0)  # this process: running, never named
+        assert str(CommTimeoutError("allreduce on rank 0: no completion within 3 s")).endswith("within 3 s")
+        os.kill(peer.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "State:\tT" not in Path(f"/proc/{peer.pid}/status").read_text():
+            time.sleep(0.01)
+        err = CommTimeoutError("allreduce on rank 0: no completion within 3 s")
+        assert "; rank 1 stopped answering (its process is stopped: SIGSTOP" in str(err), str(err)
+        assert str(pickle.loads(pickle.dumps(err))) == str(err)
+        monkeypatch.delenv("LOWBAND_REPORT_DIR")
+        assert "stopped" not in str(CommTimeoutError("x"))  # outside lowband's launchers: as raised
+    finally:
+        peer.kill()
+        peer.wait()

@@ -20,7 +20,16 @@ class CollectiveMismatchError(LowbandError):
 
 
 class CommTimeoutError(LowbandError, TimeoutError):
-    """A communication did not finish within its bounded wait."""
+    """A communication did not finish within its bounded wait.
+
+    When lowband's launchers started the ranks (``LOWBAND_REPORT_DIR``: each rank's pid file), the
+    message also names the peers whose processes are stopped now (state ``T``: SIGSTOP, a suspended job,
+    a debugger): the ranks that stopped answering, the usual cause of the timeout."""
+
+    def __init__(self, *args: object) -> None:
+        if len(args) == 1 and isinstance(args[0], str) and _STOPPED not in args[0]:
+            args = (args[0] + _stopped_peers(),)
+        super().__init__(*args)
 
 
 class CommFailedError(LowbandError):
@@ -30,3 +39,27 @@ class CommFailedError(LowbandError):
 class NonFiniteError(InvalidArgumentError):
     """A gradient (or pseudo-gradient, or payload) held a NaN or an infinity; raised before the value is
     communicated or stored in any residual, by every rank of the step (``on_nonfinite="raise"``)."""
+
+
+_STOPPED = "stopped answering (its process is stopped"
+
+
+def _stopped_peers() -> str:
+    """ "; rank R stopped answering (...)" for the peers stopped now (module docstring of
+    :class:`CommTimeoutError`), or "" outside lowband's launchers or when none is."""
+    import os
+
+    folder = os.environ.get("LOWBAND_REPORT_DIR")
+    if not folder:
+        return ""
+    from lowband.rank_main import stopped_ranks  # (a light module: the standard library only)
+
+    try:
+        me = int(os.environ.get("RANK", "-1"))
+        ranks = [r for r in stopped_ranks(folder) if r != me]
+    except (OSError, ValueError):
+        return ""
+    if not ranks:
+        return ""
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(str(r) for r in ranks)
+    return f"; {who} {_STOPPED}: SIGSTOP, a suspended job or a debugger)"

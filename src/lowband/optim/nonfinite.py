@@ -254,11 +254,14 @@ def _flag(
 
 
 def _any_nonfinite(grads: Sequence[Tensor]) -> bool:
-    """True if any of ``grads`` holds inf/NaN (a host decision: one read pass, the sums, in float64 on
-    the host; a non-finite sum confirmed element-wise, since large finite values can overflow it)."""
+    """True if any of ``grads`` holds inf/NaN (a host decision: one read pass, the sums, added in float64
+    and read once; a non-finite sum confirmed element-wise, since large finite values can overflow it)."""
     dense = [g._values() if g.is_sparse else g for g in grads]
     sums = [g.sum(dtype=torch.float32 if g.element_size() < 4 else None) for g in dense]
-    if not sums or bool(torch.isfinite(torch.stack([x.double().cpu() for x in sums]).sum())):
+    if not sums:
+        return False
+    dev = sums[0].device  # one host read: the sums added on their device
+    if bool(torch.isfinite(torch.stack([x.to(dev, torch.float64) for x in sums]).sum())):
         return False
     return not all(bool(torch.isfinite(g).all()) for g in dense)
 
