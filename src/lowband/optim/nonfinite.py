@@ -101,6 +101,9 @@ class NonFiniteGuard:
         self._carried: list[tuple[str, list[Tensor], Tensor]] = []
         #: every check is carried by the data (set by the strategy): no exchange on a clean step
         self.rides_data = False
+        #: the gradients :meth:`decide` is given were averaged already (torch DDP's): a value found there
+        #: is on every rank alike and its source is not known (set by the strategy)
+        self.params_averaged = False
         self._ones: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         #: state put back on a skipped step besides the stages' reducers (e.g. PowerSGD's comm hook)
         self.restorers: list[Callable[[], None]] = []
@@ -200,6 +203,15 @@ class NonFiniteGuard:
         self, found: list[int], labels: list[str], grads: Sequence[tuple[str, Tensor]]
     ) -> NonFiniteError:
         parts = []
+        if self.params_averaged and all(0 < k <= len(labels) and not labels[k - 1] for k in found):
+            names = [n for n, g in grads if not bool(torch.isfinite(g).all())]
+            what = f"parameter {names[0]!r}" if names else "a parameter"
+            return NonFiniteError(
+                f"{self.where}: the averaged gradient of {what} was non-finite (NaN or Inf) at step "
+                f"{self._step()} on every rank alike: torch DDP averaged it during backward, so the rank "
+                "it came from is not known; raised on every rank. Fix its cause (learning rate, loss, "
+                "inputs), or pass on_nonfinite='skip' to skip such steps on every rank"
+            )
         if all(k > len(labels) for k in found):  # every rank's own gradients were finite
             return NonFiniteError(
                 f"{self.where}: the averaged gradient was non-finite (Inf or NaN) at step {self._step()} "

@@ -162,6 +162,8 @@ class DDPStrategy(Strategy):
     def set_nonfinite(self, policy: str) -> None:
         super().set_nonfinite(policy)
         guard = self.nonfinite
+        if guard is not None:
+            guard.params_averaged = True  # what the step checks is DDP's average (module docstring)
         if guard is None or not guard.enabled or not self.carry_nonfinite or self.hook != "none":
             return
         if self._checked is None:  # a comm hook is registered once
