@@ -18,7 +18,6 @@ compression from communication (the complaint about GRACE that it cannot).
 from __future__ import annotations
 
 import abc
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -39,6 +38,7 @@ from lowband.compress.base import (
 from lowband.compress.memory import MEMORIES, Memory, NoMemory, Segments
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.nonfinite import poison_
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
 from lowband.options import Opt, Options
 from lowband.registry import Registry
@@ -212,16 +212,6 @@ def make_reducer(
         transport, {**options, "seed": seed}, f"make_reducer: transport {transport!r}"
     )
     return cls(compressor, memory, **got)
-
-
-def poison_(wire: Tensor, flag: Tensor) -> None:
-    """Make a summed payload's first element NaN where ``flag`` (1 element) is set, so that every rank's
-    sum is NaN (:mod:`lowband.optim.nonfinite`); device-side, no host synchronisation."""
-    if wire.numel() == 0:
-        return
-    head = wire.view(-1)[:1]
-    nan = torch.tensor(math.nan, dtype=head.dtype, device=head.device)
-    head.copy_(torch.where(flag.to(head.device) > 0, nan, head))
 
 
 @TRANSPORTS.registering(

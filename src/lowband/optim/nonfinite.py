@@ -44,6 +44,7 @@ skips the step everywhere and backs the scale off): the guard steps aside. ``LOW
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -97,8 +98,9 @@ class NonFiniteGuard:
         self.stages: list[GradientStage] = []
         self._flags: list[Tensor] = []  # this round's unit flags (device, 1 element), in check order
         self._labels: list[str] = []
-        #: this round's carried units (module docstring): label, gradients (averaged in place), own flag
-        self._carried: list[tuple[str, list[Tensor], Tensor]] = []
+        #: this round's carried units (module docstring): label, gradients (averaged in place), own flag,
+        #: and whether their first element alone tells (a sentinel: see :meth:`check_`)
+        self._carried: list[tuple[str, list[Tensor], Tensor, bool]] = []
         #: every check is carried by the data (set by the strategy): no exchange on a clean step
         self.rides_data = False
         #: the gradients :meth:`decide` is given were averaged already (torch DDP's): a value found there
@@ -119,16 +121,28 @@ class NonFiniteGuard:
         return {id(p) for s in self.stages if s.enabled for u in s.units for p in u.params}
 
     def check_(
-        self, grads: Sequence[Tensor], label: str, *, carried: bool = False, zero: bool = True
+        self,
+        grads: Sequence[Tensor],
+        label: str,
+        *,
+        carried: bool = False,
+        zero: bool = True,
+        sentinel: bool = False,
     ) -> Tensor | None:
         """One unit: flag (and zero) inf/NaN on the device, no host synchronisation; returns the flag.
         ``carried``: the unit's average, about to be computed, carries the value to every rank (module
-        docstring); ``zero=False`` leaves the gradients as they are (a stateless average)."""
+        docstring); ``zero=False`` leaves the gradients as they are (a stateless average).
+        ``sentinel`` (one carried tensor, averaged as a sum of terms already divided by the group size,
+        which cannot overflow): a flagged tensor's first element is made NaN too, so that the average's
+        first element alone tells whether any rank's tensor held inf/NaN."""
         if not self.enabled or not grads:
             return None
         if carried and len({g.device for g in grads}) == 1:
             flag = _flag(grads, zero=zero, ones=self._ones)
-            self._carried.append((label, list(grads), flag))
+            sentinel = sentinel and len(grads) == 1 and grads[0].numel() > 0
+            if sentinel:
+                poison_(grads[0], flag)
+            self._carried.append((label, list(grads), flag, sentinel))
             return flag
         by_device: dict[torch.device, list[Tensor]] = {}
         for g in grads:
@@ -157,14 +171,12 @@ class NonFiniteGuard:
             if stage.carries_nonfinite() and stage.pending():
                 stage.wait()
         carried = self._carried
-        flags = self._flags + [f for _, _, f in carried]
-        labels = self._labels + [label for label, _, _ in carried]
+        flags = self._flags + [f for _, _, f, _ in carried]
+        labels = self._labels + [label for label, _, _, _ in carried]
         exchange = bool(self._flags) or not self.rides_data
         self.discard()
         # the carried units' averages: identical on every rank, so is this check's outcome
-        averaged = [g for _, gs, _ in carried for g in gs]
-        if self.rides_data and grads:  # the strategy's own averages (torch DDP's: its buckets' copies)
-            averaged = [g for _, g in grads]
+        averaged = [gs[0].view(-1)[:1] if sentinel else g for _, gs, _, sentinel in carried for g in gs]
         spread = bool(averaged) and _any_nonfinite(averaged)
         if not exchange and not spread:
             return True  # every rank's flag rode its data, and the averages are finite
@@ -272,10 +284,27 @@ def _any_nonfinite(grads: Sequence[Tensor]) -> bool:
     sums = [g.sum(dtype=torch.float32 if g.element_size() < 4 else None) for g in dense]
     if not sums:
         return False
-    dev = sums[0].device  # one host read: the sums added on their device
-    if bool(torch.isfinite(torch.stack([x.to(dev, torch.float64) for x in sums]).sum())):
-        return False
+    dev = sums[0].device
+    if dev.type == "cpu":  # added on the host as Python floats (tensor ops' overhead is the cost here)
+        if math.isfinite(sum(x.item() for x in sums)):
+            return False
+    elif bool(torch.isfinite(torch.stack([x.to(dev, torch.float64) for x in sums]).sum())):
+        return False  # one host read: the sums added on their device
     return not all(bool(torch.isfinite(g).all()) for g in dense)
+
+
+def poison_(wire: Tensor, flag: Tensor) -> None:
+    """Make ``wire``'s first element NaN where ``flag`` (1 element) is set, so that every rank's sum of
+    it is NaN; on the CPU a host branch, elsewhere device-side with no host synchronisation."""
+    if wire.numel() == 0:
+        return
+    head = wire.view(-1)[:1]
+    if flag.device.type == "cpu" and head.device.type == "cpu":
+        if flag.item() > 0:
+            head.fill_(math.nan)
+        return
+    nan = torch.tensor(math.nan, dtype=head.dtype, device=head.device)
+    head.copy_(torch.where(flag.to(head.device) > 0, nan, head))
 
 
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:

@@ -94,7 +94,11 @@ def _checked_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's ``allreduce_hook`` after the bucket's inf/NaN check (carried: not zeroed, module docstring)."""
     if state.active():
-        state.guard.check_([bucket.buffer()], f"DDP bucket {bucket.index()}", carried=True, zero=False)
+        # torch's hook divides the bucket by the group size before summing: no finite sum overflows,
+        # so the average's first element tells (a sentinel), and decide() reads one element per bucket
+        state.guard.check_(
+            [bucket.buffer()], f"DDP bucket {bucket.index()}", carried=True, zero=False, sentinel=True
+        )
     return default_hooks.allreduce_hook(state.pg, bucket)
 
 
