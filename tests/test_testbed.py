@@ -336,7 +336,13 @@ def test_signal_tears_down(sig: signal.Signals) -> None:
     owner, info = _start_owner()
     try:
         owner.send_signal(sig)
-        owner.wait(timeout=20)
+        try:
+            # 7 s alone; once over 20 s (SIGINT) with the whole suite on both cores: 60 s, and say why
+            owner.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            owner.kill()
+            _, err = owner.communicate()
+            pytest.fail(f"the testbed owner did not end within 60 s of {sig.name}; its stderr:\n{err}")
     finally:
         if owner.poll() is None:
             owner.kill()
