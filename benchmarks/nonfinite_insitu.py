@@ -36,23 +36,19 @@ def _timed(spec: str) -> dict[str, float]:
     spent = {"check": 0.0, "decide": 0.0}
     guard = s.nonfinite
     if guard is not None:
-        check, decide = guard.check_, guard.decide
 
-        def timed_check(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return check(*args, **kwargs)
-            finally:
-                spent["check"] += time.perf_counter() - t0
+        def timed(fn: Any, key: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    spent[key] += time.perf_counter() - t0
 
-        def timed_decide(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return decide(*args, **kwargs)
-            finally:
-                spent["decide"] += time.perf_counter() - t0
+            return call
 
-        guard.check_, guard.decide = timed_check, timed_decide  # type: ignore[method-assign]
+        guard.check_ = timed(guard.check_, "check")  # type: ignore[method-assign]
+        guard.decide = timed(guard.decide, "decide")  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)
 
