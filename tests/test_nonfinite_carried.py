@@ -105,7 +105,27 @@ def _ddp_cases() -> dict[str, Any]:
         "nan": _count_exchanges("ddp", 1),
         "inf": _count_exchanges("ddp", 1, math.inf),
         "powersgd": _count_exchanges("powersgd"),
+        "off_after_raise": _hook_after_off(),
     }
+
+
+def _hook_after_off() -> dict[str, Any]:
+    """ddp's comm hook, registered under on_nonfinite="raise", checks nothing once the policy is "off"."""
+    m = em.model(seed=5)
+    s = make_strategy("ddp", m, em.sgd)
+    s.set_nonfinite("off")
+    try:
+        for step in range(2):
+            s.train_step(em.loss_fn(lowband.rank(), step))
+        assert s.nonfinite is not None
+        hook = s._checked  # type: ignore[attr-defined]  (registered under "raise", still there)
+        return {
+            "rides_data": s.nonfinite.rides_data,
+            "carried": len(s.nonfinite._carried),
+            "hook": hook.guard(),
+        }
+    finally:
+        s.close()
 
 
 def test_ddp_checks_in_its_comm_hook_and_exchanges_only_on_a_bad_step() -> None:
@@ -116,6 +136,9 @@ def test_ddp_checks_in_its_comm_hook_and_exchanges_only_on_a_bad_step() -> None:
             assert "rank 1 (unit 'DDP bucket 0')" in err and "at step 1" in err, (r, kind, err)
             assert out[kind]["exchanges"] == 1, (r, kind, out[kind])
         assert not out["powersgd"]["rides_data"] and out["powersgd"]["exchanges"] == STEPS
+        assert out["off_after_raise"] == {"rides_data": False, "carried": 0, "hook": None}, out[
+            "off_after_raise"
+        ]
 
 
 def _overflowing_sum() -> list[str]:

@@ -37,6 +37,7 @@ before PowerSGD's memory sees it and the ranks agree on the flag every step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,21 +83,22 @@ class _DDP(DistributedDataParallel):
 
 @dataclass
 class _CheckedAllreduce:
-    """The comm hook's state under the non-finite policy: the guard, and whether it checks this step."""
+    """The comm hook's state under the non-finite policy: the group, and the guard that checks this
+    step's buckets (None: none does; the strategy's current guard, read at every bucket)."""
 
     pg: Any
-    guard: NonFiniteGuard
-    active: Any  # () -> bool
+    guard: Callable[[], NonFiniteGuard | None]
 
 
 def _checked_allreduce_hook(
     state: _CheckedAllreduce, bucket: GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's ``allreduce_hook`` after the bucket's inf/NaN check (carried: not zeroed, module docstring)."""
-    if state.active():
+    guard = state.guard()
+    if guard is not None:
         # torch's hook divides the bucket by the group size before summing: no finite sum overflows,
         # so the average's first element tells (a sentinel), and decide() reads one element per bucket
-        state.guard.check_(
+        guard.check_(
             [bucket.buffer()], f"DDP bucket {bucket.index()}", carried=True, zero=False, sentinel=True
         )
     return default_hooks.allreduce_hook(state.pg, bucket)
@@ -166,15 +168,20 @@ class DDPStrategy(Strategy):
     def set_nonfinite(self, policy: str) -> None:
         super().set_nonfinite(policy)
         guard = self.nonfinite
-        if guard is not None:
-            guard.params_averaged = True  # what the step checks is DDP's average (module docstring)
-        if guard is None or not guard.enabled or not self.carry_nonfinite or self.hook != "none":
+        assert guard is not None  # (set by the base)
+        guard.params_averaged = True  # what the step checks is DDP's average (module docstring)
+        if not guard.enabled or not self.carry_nonfinite or self.hook != "none":
             return
         if self._checked is None:  # a comm hook is registered once
-            self._checked = _CheckedAllreduce(self.group.pg, guard, lambda: self.grad_scaler is None)
+            self._checked = _CheckedAllreduce(self.group.pg, self._bucket_guard)
             self.ddp.register_comm_hook(self._checked, _checked_allreduce_hook)
-        self._checked.guard = guard
         guard.rides_data = True
+
+    def _bucket_guard(self) -> NonFiniteGuard | None:
+        """The guard the comm hook checks buckets for: none under a grad scaler (it decides) or once a
+        later policy no longer rides the data."""
+        guard = self.nonfinite
+        return guard if guard is not None and guard.rides_data and self.grad_scaler is None else None
 
     def _before_forward(self, _module: nn.Module, _args: Any) -> None:
         # DDP reads it in this forward: whether the coming backward reduces (accumulate; the rebucketing
