@@ -17,9 +17,11 @@ import torch
 from torch import nn
 
 import lowband
+from lowband.comm.engine import issue_lane
+from lowband.comm.lane import LaneError
 from lowband.compress import COMPRESSORS, CompressContext, Compressor, Payload, register_compressor
 from lowband.compress.base import check_input
-from lowband.compress.slimgc import Executor, ExecutorError, Samples, build_table
+from lowband.compress.slimgc import Samples, build_table
 from lowband.errors import CommTimeoutError, InvalidArgumentError
 from lowband.strategies import make_strategy
 from lowband.strategies.slimgc import SlimGCStrategy
@@ -311,7 +313,7 @@ def test_argument_errors() -> None:
 
 def _executor_checks() -> dict[str, Any]:
     out: dict[str, Any] = {}
-    ex = Executor(offload=True, timeout=10.0, where="test-executor")
+    ex = issue_lane(None, timeout=10.0, where="test-executor")
     seen: list[int] = []
     threads: set[int] = set()
 
@@ -342,25 +344,25 @@ def _executor_checks() -> dict[str, Any]:
     try:
         ex.drain()
         out["error"] = None
-    except ExecutorError as exc:
+    except LaneError as exc:
         out["error"] = isinstance(exc.__cause__, ValueError) and "boom" in str(exc)
     out["skipped"] = -1 not in seen
     try:
         ex.submit(lambda: None)
         out["error_again"] = False
-    except ExecutorError:
+    except LaneError:
         out["error_again"] = True
     ex.close()
     ex.close()
     # inline: on this thread, errors at once
-    inline = Executor(offload=False, timeout=1.0)
+    inline = issue_lane(None, offload=False, timeout=1.0, where="inline")
     here: list[int] = []
     inline.submit(lambda: here.append(threading.get_ident()))
     out["inline"] = here == [threading.get_ident()]
     with pytest.raises(ValueError, match="bad"):
         inline.submit(lambda: (_ for _ in ()).throw(ValueError("bad")))
     inline.close()
-    closed = Executor(offload=False, timeout=1.0)
+    closed = issue_lane(None, offload=False, timeout=1.0, where="closed")
     closed.close()
     with pytest.raises(InvalidArgumentError, match="after close"):
         closed.submit(lambda: None)

@@ -325,14 +325,17 @@ def shutdown() -> None:
     torch.distributed if lowband initialised it. Runs at interpreter exit for a process that did not
     call it.
 
-    A lowband thread (a ``then`` watcher of a send/recv, a window receiver) still blocked in a gloo wait
+    A lowband thread (the completion thread waiting on a send/recv, a window receiver) still blocked in a gloo wait
     when the interpreter finalizes aborts the process as the wait returns ("terminate called without an
     active exception", exit -6), after the work succeeded. So first, while the interpreter still runs:
     give such threads a moment to end, close the connections their receives wait on (they fail and end:
     :func:`lowband.teardown.break_connections`) and wait for them."""
     global _global
+    from lowband.comm.engine import close_engines
+
     ctx = getattr(_local, "ctx", None)
     if ctx is not None:
+        close_engines(ctx)
         _local.ctx = None
         for g in [*reversed(ctx._groups), ctx.world]:
             g._destroyed.set()
@@ -345,6 +348,7 @@ def shutdown() -> None:
     if _global is None:
         return
     ctx, _global = _global, None
+    close_engines(ctx)
     if join_threads(lowband_threads(), 0.2):
         break_connections(ctx)
         join_threads(lowband_threads(), 5.0)

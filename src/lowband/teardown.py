@@ -37,7 +37,7 @@ def close_pg(pg: Any) -> None:
 
 
 def lowband_threads() -> list[threading.Thread]:
-    """This process's lowband helper threads (``then`` watchers, window receivers), not thread ranks."""
+    """This process's lowband helper threads (engine workers, the completion thread, window receivers), not thread ranks."""
     me = threading.current_thread()
     return [
         t

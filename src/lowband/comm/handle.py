@@ -194,8 +194,8 @@ class Handle(Generic[T]):
 
     def then(self, fn: Callable[[T], U]) -> Handle[U]:
         """A handle whose result is ``fn(result)``. ``fn`` runs as soon as the op completes, on torch's
-        callback thread (a watcher thread for ops whose torch works have no future, such as send/recv;
-        at once if it is already complete); its exception surfaces in ``wait()``."""
+        callback thread (the rank's completion thread for ops whose torch works have no future, such as
+        send/recv: :mod:`lowband.comm.engine`; at once if it is already complete); its exception surfaces in ``wait()``."""
         child: Handle[U] = Handle(
             self._w,
             lambda: fn(self._complete(None)),
@@ -236,7 +236,7 @@ class Handle(Generic[T]):
 
     def _when_complete(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once the works are complete (their waits then return at once) or failed
-        (``self._error`` set), on torch's callback thread or a watcher thread, or now if already so."""
+        (``self._error`` set), on torch's callback thread or the completion thread, or now if already so."""
 
         def run(fut: Any = None) -> None:
             # Runs on torch's callback thread once the works' futures are complete. Calling
@@ -262,15 +262,18 @@ class Handle(Generic[T]):
         if fut is not None:
             fut.then(run)
         else:
-            # Works without futures (gloo send/recv): a watcher thread waits (bounded) in their place.
-            def watch() -> None:
+            # Works without futures (gloo send/recv, engine tasks): the rank's completion thread waits
+            # (bounded) in their place, in order (lowband.comm.engine); no thread per call.
+            from lowband.comm.completion import watch
+
+            def waited() -> None:
                 try:
                     self._wait_works(self._timeout)
                 except LowbandError as exc:
                     self._fail(exc)
                 run()
 
-            threading.Thread(target=watch, name=f"lowband-then-{self.op}", daemon=True).start()
+            watch(waited)
 
     def map(self, fn: Callable[[T], U]) -> Handle[U]:
         """A handle over the same communication whose result is ``fn(result)``, computed by the thread

@@ -14,7 +14,7 @@ Both sides derive every mask from rows every rank knows, so the exchanges carry 
 rank issues the same exchanges in the same order. Each part is applied with :func:`lazy_step` as part
 of the iteration it belongs to, so the parts equal one update (lazy optimizer semantics).
 
-With an ``executor`` (one communication thread, :class:`lowband.compress.slimgc.executor.Executor`),
+With an ``executor`` (one communication thread, :class:`lowband.comm.engine.Lane`),
 the delayed rows go in the background (:meth:`VerticalSchedule.submit_delayed`, e.g. while the next
 backward computes). Its queue is a priority queue whose order every rank agrees on: the tasks of one
 submission (one per iteration, its parts in the order they were made) are sorted by iteration before
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from lowband.compress.slimgc.executor import Executor
+from lowband.comm.lane import Lane
 from lowband.errors import InvalidArgumentError
 from lowband.sparse.embedding import PartitionedEmbedding
 from lowband.sparse.exchange import LookupPlan, iexchange_gradients, mask_counts, sum_blocks
@@ -64,7 +64,7 @@ class VerticalSchedule:
         tables: dict[str, PartitionedEmbedding],
         optimizer: torch.optim.Optimizer,
         scale: float,
-        executor: Executor | None = None,
+        executor: Lane | None = None,
     ) -> None:
         self.tables, self.optimizer, self.scale = tables, optimizer, scale
         self.executor = executor

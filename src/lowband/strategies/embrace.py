@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowband.comm.engine import issue_lane
 from lowband.comm.initial import broadcast_initial_state
-from lowband.compress.slimgc.executor import Executor
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.nn.tied import refuse_tied
@@ -195,7 +195,7 @@ class EmbraceStrategy(Strategy):
         lazy = schedule in ("vertical", "2d")
         self.table_optimizer = lazy_optimizer(shard_opt, where=where) if lazy else shard_opt
         self.executor = (
-            Executor(offload=True, timeout=timeout, where=f"embrace-comm on rank {group.rank}")
+            issue_lane(channel, timeout=timeout, where=f"embrace-comm on rank {group.rank}")
             if overlap
             else None
         )

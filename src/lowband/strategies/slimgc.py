@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lowband.comm.engine import issue_lane
 from lowband.comm.initial import broadcast_initial_state
 from lowband.compress.reducer import Timings, make_reducer
 from lowband.compress.slimgc.backup import ModelBackup
-from lowband.compress.slimgc.executor import Executor
 from lowband.compress.slimgc.pipeline import SlimGCReducer
 from lowband.compress.slimgc.table import parse_comm_threshold
 from lowband.compress.specs import REDUCER_OPTIONS
@@ -96,8 +96,8 @@ class SlimGCStrategy(ClockedStrategy):
         inner = make_reducer(reducer, compressor, memory, seed=seed)
         broadcast_initial_state(model, group=group)  # every replica starts from rank 0's model, as DDP
         units = parameter_units(model)
-        self.executor = Executor(
-            offload=offload, timeout=current(where).config.timeout, where="slimgc-executor"
+        self.executor = issue_lane(
+            group, offload=offload, timeout=current(where).config.timeout, where="slimgc-executor"
         )
         self.reducer = SlimGCReducer(
             inner,

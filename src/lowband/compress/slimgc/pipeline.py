@@ -1,9 +1,9 @@
-"""SlimGC's reduction pipeline: the gradient stage's units, through the executor, compressed or sent in
+"""SlimGC's reduction pipeline: the gradient stage's units, through a lane of the communication engine, compressed or sent in
 full precision according to the communication threshold.
 
 :class:`SlimGCReducer` is the :class:`~lowband.optim.Reducer` the gradient stage calls from its backward
 hooks (one unit per parameter tensor, in the stage's fixed launch order). It hands the unit to the
-:class:`~lowband.compress.slimgc.executor.Executor` and returns a completed handle at once: for the
+:class:`~lowband.comm.engine.Lane` (the "executor") and returns a completed handle at once: for the
 stage the unit is handed over; the round's averaged gradients are collected by :meth:`wait_round`.
 On the executor (worker thread, or inline), per unit:
 
@@ -47,9 +47,9 @@ import torch
 from lowband.comm.collectives import broadcast
 from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle, completed
+from lowband.comm.lane import Lane
 from lowband.comm.reduce import allreduce
 from lowband.compress.reducer import CompressedReducer, flatten, segments, unflatten_into
-from lowband.compress.slimgc.executor import Executor
 from lowband.compress.slimgc.table import (
     INF,
     Samples,
@@ -87,7 +87,7 @@ class SlimGCReducer(Reducer):
         self,
         inner: CompressedReducer,
         units: Sequence[Unit],
-        executor: Executor,
+        executor: Lane,
         *,
         threshold: float | None,
         pre_steps: int,
