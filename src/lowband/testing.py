@@ -17,6 +17,7 @@ traceback.
 from __future__ import annotations
 
 import gc
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -28,6 +29,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.distributed import HashStore  # type: ignore[attr-defined]
 
 from lowband.comm.control import left_pending
@@ -152,7 +154,11 @@ def _proc_main(
     torch.set_num_threads(1)
     try:
         lowband.init(**init_kwargs)
-        q.put((rank, True, fn(*args)))
+        # the result travels as bytes: torch's queue would share tensors by file descriptor, which the
+        # parent fetches from this process after it may have exited (EOFError, seen with CUDA ranks)
+        buf = io.BytesIO()
+        torch.save(fn(*args), buf)
+        q.put((rank, True, buf.getvalue()))
     except BaseException:
         q.put((rank, False, traceback.format_exc()))
     finally:
@@ -211,7 +217,10 @@ def run_processes(
                         if q.empty():
                             errors[r] = f"process exited with code {procs[r].exitcode} and no result"
                 continue
-            (results if ok else errors)[rank] = value
+            if ok:
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
     finally:
         for p in procs:
             p.join(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
