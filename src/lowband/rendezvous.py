@@ -21,7 +21,7 @@ import socket
 import time
 from typing import Any
 
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
 
 from lowband.errors import CommTimeoutError, InvalidArgumentError
 
@@ -101,4 +101,9 @@ def join_env(timeout: float) -> tuple[Any, int, int]:
             else f"the rendezvous store at {addr}:{port} failed: {_first_line(exc)}"
         )
         raise CommTimeoutError(f"lowband.init on rank {rank}: {what}") from None
-    return store, rank, size
+    # each attempt of an elastic run (torchrun --max-restarts) meets under its own prefix: the store
+    # outlives the attempts, and the previous attempt's process-group keys name dead ranks' addresses
+    attempt = "lowband/attempt/{}/{}".format(
+        os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    )
+    return PrefixStore(attempt, store), rank, size

@@ -53,7 +53,7 @@ sent counts, framing and rendezvous included. Ctrl-C, a failed rank or an error 
 namespace."""
 
 EPILOG = """\
-Other torchrun options (--max-restarts, --rdzv-conf, ...) are passed to torchrun as given, without a
+Other torchrun options (--rdzv-conf, --monitor-interval, ...) are passed to torchrun as given, without a
 link option. With --rdzv-endpoint and no --rdzv-backend the rendezvous is torchrun's c10d."""
 
 
@@ -157,6 +157,11 @@ def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
         "(default: a temporary folder, kept and printed when a rank fails)",
     )  # fmt: skip
     p.add_argument(
+        "--max-restarts", "--max_restarts", dest="max_restarts", type=int, default=None, metavar="N",
+        help="restart every rank up to N times after one fails (torchrun's elastic agent; with a link option "
+        "the ranks are restarted in the testbed); the script resumes through lowband.checkpoint.Checkpointer",
+    )  # fmt: skip
+    p.add_argument(
         "--force", action="store_true",
         help="start the ranks even where the estimate of their memory or cores exceeds this machine",
     )  # fmt: skip
@@ -228,6 +233,7 @@ def _torchrun_argv(ns: argparse.Namespace, passthrough: list[str], rest: list[st
     if ns.rdzv_endpoint and ns.rdzv_backend is None:
         out += ["--rdzv-backend", "c10d"]
     out += ["--standalone"] if ns.standalone else []
+    out += [] if ns.max_restarts is None else ["--max-restarts", str(ns.max_restarts)]
     return out + passthrough + (["-m"] if ns.module else []) + rest
 
 
@@ -256,6 +262,8 @@ def _main(argv: Sequence[str]) -> int:
     testbed = any(o.partition("=")[0] in link_flags for o in opts)  # `--rate none` counts
     if ns.timeout is not None:
         os.environ["LOWBAND_TIMEOUT"] = f"{ns.timeout:g}"  # read by lowband.init on every rank
+    if ns.max_restarts is not None and ns.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {ns.max_restarts}")
     if ns.nproc is not None:
         from lowband.devices import check_ranks
 
@@ -293,7 +301,7 @@ def _main(argv: Sequence[str]) -> int:
     try:
         return run_script(
             layout, script, mode=ns.mode or "auto", mtu=ns.mtu, time_limit=ns.time_limit, report=ns.report,
-            grace=ns.grace, env=env, log_dir=ns.log_dir,
+            grace=ns.grace, env=env, log_dir=ns.log_dir, max_restarts=ns.max_restarts or 0,
         )  # fmt: skip
     except KeyboardInterrupt:
         print("lowband run: interrupted; every rank stopped and the testbed removed", file=sys.stderr)

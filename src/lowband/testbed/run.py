@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -61,13 +62,17 @@ def run_script(
     grace: float = GRACE_S,
     out: IO[str] | None = None,
     log_dir: str | None = None,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``python ARGV`` on every rank of ``layout`` in the testbed (through :mod:`lowband.rank_main`:
     ``ARGV`` is ``SCRIPT ARGS`` or ``-m MODULE ARGS``); print the link bytes; returns the exit status
     (0, or 1 when a rank failed or the time limit passed, after one line per distinct cause on stderr:
     :func:`lowband.blame.summary`). Each rank's Python output and traceback go to ``log_dir/rankR.log``
     too (default: a temporary folder, kept and named when a rank failed). Everything the testbed made is
-    removed on return, on an exception and on SIGINT/SIGTERM."""
+    removed on return, on an exception and on SIGINT/SIGTERM. ``max_restarts``: after a rank fails, every
+    rank is stopped and all are started again, at most that many times, in the same testbed (as
+    torchrun's agent does: ``TORCHELASTIC_RESTART_COUNT`` tells the script the attempt, and a script
+    written with :class:`lowband.checkpoint.Checkpointer` resumes from its newest complete set)."""
     out = out or sys.stdout
     limit = math.inf if time_limit is None else time_limit
     folders = LaunchFolders(log_dir, "lowband-run")
@@ -76,16 +81,35 @@ def run_script(
         with Testbed(layout, mode=mode, mtu=mtu) as tb:
             print(f"lowband run: {tb.label()}", file=sys.stderr, flush=True)
             before = tb.link_bytes()
-            rank_env = {"PYTHONUNBUFFERED": "1", **folders.env(), **(env or {})}
-            procs = tb.spawn([sys.executable, RANK_MAIN, *argv], env=rank_env)
-            timed_out, stopped, killed, ended_at = "", list[int](), list[int](), dict[int, float]()
-            try:
-                codes = wait_procs(
-                    procs, limit, grace=grace, stopped=stopped, killed=killed, ended_at=ended_at
+            run_id = f"lowband-run-{os.getpid()}-{int(time.time())}"
+            attempt, started = 0, time.monotonic()
+            while True:
+                rank_env = {
+                    "PYTHONUNBUFFERED": "1", **folders.env(), **(env or {}),
+                    "TORCHELASTIC_RESTART_COUNT": str(attempt), "TORCHELASTIC_RUN_ID": run_id,
+                    "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+                }  # fmt: skip
+                procs = tb.spawn([sys.executable, RANK_MAIN, *argv], env=rank_env)
+                timed_out, stopped, killed, ended_at = "", list[int](), list[int](), dict[int, float]()
+                try:
+                    left = limit - (time.monotonic() - started)
+                    codes = wait_procs(
+                        procs, left, grace=grace, stopped=stopped, killed=killed, ended_at=ended_at
+                    )
+                except CommTimeoutError as exc:
+                    timed_out = str(exc).replace("lowband.testbed.wait: ", "--time-limit: ")
+                    codes = [p.returncode if p.returncode is not None else -9 for p in procs]
+                failed = ends_of_codes(codes, ended_at, killed)
+                if not failed or timed_out or attempt >= max_restarts:
+                    break
+                first = min(failed, key=lambda r: ended_at.get(r, math.inf))
+                print(
+                    f"lowband run: rank {first} ended with status {codes[first]}; restarting every rank "
+                    f"(restart {attempt + 1} of {max_restarts})",
+                    file=sys.stderr,
+                    flush=True,
                 )
-            except CommTimeoutError as exc:
-                timed_out = str(exc).replace("lowband.testbed.wait: ", "--time-limit: ")
-                codes = [p.returncode if p.returncode is not None else -9 for p in procs]
+                attempt += 1
             after = tb.link_bytes()
             label, shaped = tb.label(), tb.shaped
         _print_bytes(layout, label, shaped, before, after, out)
