@@ -2,7 +2,8 @@
 (:mod:`lowband.comm.nccl_emulator`: a timed wait that expires aborts, futures complete at enqueue, a
 pair's unbatched two-way exchange or a receive matched only by its tag raises, two threads issuing
 collectives on one group raise), against the same run on plain gloo: it must not raise, and it must
-train bit for bit the same parameters (the emulator changes when things complete, never values).
+train bit for bit the same parameters (the emulator changes when things complete, never values; ATC's
+two strategies to 1e-12 relative, as in the loop tests).
 
 Thread ranks (the strategies built on torch DDP need process-wide groups: processes, in
 ``test_nccl_emulator.py``'s registered-backend test). The model, options and seeds are the loop tests'
@@ -15,20 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_loop_api import PROCESS_ONLY, VARIANTS, _flat, _loss, _model, _opt, _options, _own
+from test_loop_api import PROCESS_ONLY, ROUNDING, VARIANTS, _close, _flat, _loss, _model, _opt, _options, _own
 
 import lowband
 from lowband.strategies import make_strategy
 from lowband.testing import run_threads
 
 STEPS = 4
-_TREE = (
-    "the tree reduction (comm/tree.py) posts its later rounds when each handle is waited, so two units'"
-    " rounds reach a pair in an order that depends on each rank's timing; NCCL matches a pair's messages"
-    " by issue order (tags ignored): under the emulator it hangs until the timeout (2026-11-27)"
-)
-#: not NCCL-safe yet, with the reason; skipped (each would wait for the whole timeout)
-KNOWN: dict[str, str] = {"gs-sgd": _TREE, "gtopk": _TREE, "sketched-sgd": _TREE}
 
 
 def _train(name: str, folder: str) -> list[float]:
@@ -50,9 +44,11 @@ NAMES = [x for x in _own() if x not in PROCESS_ONLY and x != "winput"] + sorted(
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("name", NAMES)
 def test_strategy_under_nccl_semantics_trains_as_on_gloo(name: str, n: int, tmp_path: Path) -> None:
-    if name in KNOWN:
-        pytest.skip(KNOWN[name])
     # one folder: DreamDDP's variants schedule from the profile the first run measures
     want: Any = run_threads(_train, n, name, str(tmp_path), timeout=120)
     got: Any = run_threads(_train, n, name, str(tmp_path), timeout=120, emulate_nccl=True)
-    assert got == want, f"{name} at {n} ranks trains differently under NCCL's contract"
+    where = f"{name} at {n} ranks trains differently under NCCL's contract"
+    if name.partition("/")[0] in ROUNDING:  # two gloo runs already differ in a last bit now and then
+        _close(got, want, where)
+    else:
+        assert got == want, where

@@ -150,7 +150,7 @@ class NcclEmulator(dist.ProcessGroup):
         rec = _describe(op, tensors, **kw)
         with self.lock:
             self.log.append(rec)
-        work = EmulatedWork(self, call(), op, outputs)
+        work = EmulatedWork(self, call(), op, outputs, p2p=not collective)
         if collective:
             with self.lock:
                 self.inflight.append(work)

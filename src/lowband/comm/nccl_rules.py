@@ -132,12 +132,29 @@ def rule_one_thread(emu: NcclEmulator, op: str) -> None:
 class EmulatedWork(dist.Work):
     """A gloo work behind NCCL's ``Work`` contract (timed waits abort, futures complete at enqueue)."""
 
-    def __init__(self, emu: NcclEmulator, inner: Any, op: str, outputs: list[torch.Tensor]) -> None:
+    def __init__(
+        self, emu: NcclEmulator, inner: Any, op: str, outputs: list[torch.Tensor], p2p: bool = False
+    ) -> None:
         super().__init__()
         self.emu, self.inner, self.op, self.outputs = emu, inner, op, outputs
         self.thread, self.thread_name = threading.get_ident(), threading.current_thread().name
         self.waited = False
         self.failure: RuntimeError | None = None
+        # gloo's send/recv complete only inside wait(), and a timed wait that expires closes the pair
+        # ("Application timeout caused pair closure", seen 2026-11-27): a waiter thread of the emulator
+        # waits for them without a timeout (gloo's own bounds it), and polls read its outcome
+        self._p2p: threading.Event | None = None
+        if p2p:
+            self._p2p = threading.Event()
+            threading.Thread(target=self._wait_p2p, name="lowband-emu-p2p", daemon=True).start()
+
+    def _wait_p2p(self) -> None:
+        assert self._p2p is not None
+        try:
+            self.inner.wait()
+        except RuntimeError as exc:
+            self.failure = exc
+        self._p2p.set()
 
     def wait(self, timeout: datetime.timedelta = _NO_TIMEOUT) -> bool:
         emu = self.emu
@@ -147,7 +164,7 @@ class EmulatedWork(dist.Work):
         limit = timeout.total_seconds() if timed else emu.timeout
         # Polled (host-side, CPU emulation only) so that a violation a peer found, which aborts the group
         # through the store, ends this wait at once instead of at gloo's timeout. gloo's point-to-point
-        # works complete only inside wait(), so those are polled with short gloo waits (which gloo allows).
+        # works complete only inside wait(): their waiter thread's outcome is polled instead.
         if self.failure is not None:
             emu.check_usable(self.op)
             raise self.failure
@@ -159,7 +176,12 @@ class EmulatedWork(dist.Work):
                 break  # gloo's own wait reports its timeout
             emu.check_usable(self.op)
         try:
-            if not done:  # a gloo send/recv must not be waited twice
+            if not done and self._p2p is not None:  # the waiter thread holds gloo's wait
+                if not self._p2p.wait(emu.timeout):
+                    raise RuntimeError(f"{self.op}: timed out after {emu.timeout:g} s")
+                if self.failure is not None:
+                    raise self.failure
+            elif not done:  # a gloo send/recv must not be waited twice
                 self.inner.wait()
         except RuntimeError:
             emu.check_usable(self.op)  # a peer's violation aborted the group: report that rule
@@ -169,7 +191,13 @@ class EmulatedWork(dist.Work):
 
     def _done(self, left: float) -> bool:
         """Whether the gloo work finished, waiting at most ~50 ms (some gloo works, such as send, recv and
-        reduce_scatter, complete only inside wait(); a gloo timed wait that expires leaves them going)."""
+        reduce_scatter, complete only inside wait(); send and recv are waited by their waiter thread)."""
+        if self._p2p is not None:
+            if not self._p2p.wait(min(0.05, max(left, 0.0))):
+                return False
+            if self.failure is not None:
+                raise self.failure
+            return True
         if self.inner.is_completed():
             if not self.inner.is_success():
                 self.inner.wait()  # a failed work: raise its error (never swallow it)
@@ -184,8 +212,9 @@ class EmulatedWork(dist.Work):
 
     def is_completed(self) -> bool:
         """NCCL reports a work complete without a wait (``WorkNCCL::isCompleted`` queries its CUDA
-        events); gloo's point-to-point works complete only inside ``wait``, so a short gloo wait (which
-        gloo allows) observes them here. A failure reads as completed; ``wait`` raises it."""
+        events); gloo's point-to-point works complete only inside ``wait``, so their waiter thread's
+        outcome is read here (other gloo works: a short timed wait, which gloo allows for collectives).
+        A failure reads as completed; ``wait`` raises it."""
         if self.waited or self.inner.is_completed():
             return True
         try:
