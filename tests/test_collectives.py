@@ -11,7 +11,7 @@ import torch
 from oracle import DTYPES, FLOATS, SHAPES, WORLD_SIZES, all_inputs, data, ident, reduce, same
 
 import lowband
-from lowband.testing import run_threads
+from lowband.testing import nccl_emulated, run_threads
 
 pytestmark = pytest.mark.parametrize("n", WORLD_SIZES)
 
@@ -196,6 +196,10 @@ def test_send_recv_ring(n: int, dtype: torch.dtype) -> None:
     """Every rank sends to its right neighbour and receives from its left, all shapes, both forms."""
     if n == 1:
         pytest.skip("point-to-point needs two ranks (sending to oneself is rejected; see test_errors)")
+    if n == 2 and nccl_emulated():
+        pytest.skip(
+            "a two-way unbatched exchange between two ranks: NCCL deadlocks on it (the emulator raises)"
+        )
 
     def rank_fn() -> list[str]:
         r, bad = lowband.rank(), []

@@ -15,7 +15,7 @@ import lowband
 from lowband.comm.engine import NegotiatedOrder, engine_for, issue_lane
 from lowband.comm.lane import LaneError
 from lowband.errors import InvalidArgumentError
-from lowband.testing import run_threads
+from lowband.testing import nccl_emulated, run_threads
 
 
 def _lowband_threads() -> list[str]:
@@ -142,6 +142,11 @@ def test_pending_thens_need_no_thread_each() -> None:
 
 
 def test_engine_threads_end_at_shutdown() -> None:
+    if nccl_emulated():
+        pytest.skip(
+            "a two-way unbatched exchange between two ranks: NCCL deadlocks on it (the emulator raises)"
+        )
+
     def fn() -> None:
         lane = issue_lane(None, where="x")
         lane.submit(lambda: lowband.allreduce(torch.ones(1), "sum")).wait()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lowband
-from lowband.testing import run_threads
+from lowband.testing import nccl_emulated, run_threads
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -40,6 +40,11 @@ def test_done_and_wait_idempotent() -> None:
 
 @pytest.mark.parametrize("kind", ["allreduce", "recv", "allgather", "completed"])
 def test_then_runs_without_wait(kind: str) -> None:
+    if kind == "recv" and nccl_emulated():
+        pytest.skip(
+            "a two-way unbatched exchange between two ranks: NCCL deadlocks on it (the emulator raises)"
+        )
+
     def rank_fn() -> tuple[float, bool, str]:
         r = lowband.rank()
         seen = threading.Event()

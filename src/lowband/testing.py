@@ -57,7 +57,7 @@ def run_threads(
     local_size: int | None = None,
     trace: bool = False,
     fusion_threshold: int | None = None,
-    emulate_nccl: bool = False,
+    emulate_nccl: bool | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` thread-ranks; returns the results in rank order.
 
@@ -65,8 +65,13 @@ def run_threads(
     ``comm_timeout`` (default: ``timeout``) bounds every communication. If the ranks have not all
     finished after ``timeout`` seconds, their process groups are aborted and the stuck ranks' stacks
     are reported. ``emulate_nccl``: each rank's data groups enforce NCCL's contract
-    (:mod:`lowband.comm.nccl_emulator`); the control groups stay plain gloo.
+    (:mod:`lowband.comm.nccl_emulator`; default: ``LOWBAND_EMULATE_NCCL=1`` in the environment, so a
+    whole test family can be rerun under NCCL's contract); the control groups stay plain gloo.
     """
+    if emulate_nccl is None:
+        from lowband.comm.nccl_emulator import enabled_from_env
+
+        emulate_nccl = enabled_from_env()
     store = HashStore()
     cfg = Config(
         timeout=comm_timeout if comm_timeout is not None else timeout,
@@ -238,4 +243,12 @@ def run_processes(
     return [results[r] for r in range(world_size)]
 
 
-__all__ = ["RankFailures", "free_port", "run_processes", "run_threads"]
+def nccl_emulated() -> bool:
+    """Whether this test process runs its thread ranks under the NCCL emulator (``LOWBAND_EMULATE_NCCL=1``):
+    a test of a gloo-only pattern (a two-way unbatched exchange, which NCCL deadlocks) skips itself."""
+    from lowband.comm.nccl_emulator import enabled_from_env
+
+    return enabled_from_env()
+
+
+__all__ = ["RankFailures", "free_port", "nccl_emulated", "run_processes", "run_threads"]
