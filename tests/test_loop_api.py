@@ -54,6 +54,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "topk-allgather": {"density": 0.2},
     "compressed": {"compressor": "topk:ratio=0.2"},
     "embrace": {"schedule": "horizontal"},
+    "diloco": {"inner_steps": 2},  # outer steps at 2 and 4: the outer momentum moves before RESUME_AT
 }
 PARTIAL_SYNC = ("dreamddp", "plsgd-enp", "flsgd-overlap")
 #: more configurations of one strategy (``name/variant``): options and the optimizer's momentum

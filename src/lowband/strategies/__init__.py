@@ -10,6 +10,7 @@ from lowband.decentral import strategies as _decentral  # noqa: F401  (registers
 from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers "dreamddp", "plsgd-enp", "flsgd-overlap")
 from lowband.strategies import compressed as _compressed  # noqa: F401  (registers "compressed")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
+from lowband.strategies import diloco as _diloco  # noqa: F401  (registers "diloco")
 from lowband.strategies import embedding_baselines as _emb  # noqa: F401  (registers "ddp-sparse", "sparse-allgather")
 from lowband.strategies import embedding_baselines_priority as _emb_prio  # noqa: F401  (registers "dense-priority")
 from lowband.strategies import embedding_baselines_ps as _emb_ps  # noqa: F401  (registers "embedding-ps")
