@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from torch import nn
 
 import lowband
 from lowband.strategies import make_strategy
+from lowband.teardown import lowband_threads
 from lowband.testing import run_threads
 
 SPECS: list[tuple[str, dict[str, Any]]] = [
@@ -45,14 +45,6 @@ class _Model(nn.Module):
         return self.head(self.emb(ids).mean(1))  # type: ignore[no-any-return]
 
 
-def _helpers() -> int:
-    return sum(
-        1
-        for t in threading.enumerate()
-        if t.name.startswith("lowband-") and not t.name.startswith("lowband-rank")
-    )
-
-
 def _train(name: str, options: dict[str, Any], steps: int) -> int:
     torch.manual_seed(0)
     m = _Model()
@@ -60,15 +52,15 @@ def _train(name: str, options: dict[str, Any], steps: int) -> int:
     s = make_strategy(
         name, m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.0 if lazy else 0.9), **options
     )
-    peak = _helpers()
+    peak = len(lowband_threads())
     g = torch.Generator().manual_seed(lowband.rank())
     for _ in range(steps):
         x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
         s.zero_grad()
         s.backward(((s.module(x) - y) ** 2).mean())
-        peak = max(peak, _helpers())
+        peak = max(peak, len(lowband_threads()))
         s.step()
-        peak = max(peak, _helpers())
+        peak = max(peak, len(lowband_threads()))
     s.close()
     return peak
 
@@ -79,7 +71,7 @@ def _pending_thens(count: int) -> int:
     if r == 0:
         hs = [lowband.irecv(torch.zeros(1), 1, tag=i).then(lambda t: None) for i in range(count)]
         lowband.barrier()
-        peak = _helpers()
+        peak = len(lowband_threads())
         lowband.barrier()
         for h in hs:
             h.wait()

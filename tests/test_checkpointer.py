@@ -24,6 +24,8 @@ from lowband.testing import RankFailures, run_processes, run_threads
 SPECS: dict[str, dict[str, Any]] = {
     "compressed": {"compressor": "topk:ratio=0.2"},  # error-feedback memories: per rank, re-split
     "localsgd": {"period": 3},  # replicas agree at every third step
+    "embrace": {"schedule": "hybrid"},  # sharded tables: assembled, then cut for the new world size
+    "gradient-allreduce": {},  # every rank's state equal: loads as it is at any world size
 }
 
 
@@ -82,6 +84,10 @@ def test_resume_at_another_world_size(tmp_path: Path) -> None:
     run_threads(_train, 3, "compressed", str(tmp_path / "c"), 6, 6, 3, timeout=120)
     out = run_threads(_train, 2, "compressed", str(tmp_path / "c"), 8, 8, 3, timeout=120)
     assert [o["start"] for o in out] == [6, 6] and out[0]["params"] == out[1]["params"]
+    for name in ("embrace", "gradient-allreduce"):
+        run_threads(_train, 3, name, str(tmp_path / name), 6, 6, 3, timeout=120)
+        got = run_threads(_train, 2, name, str(tmp_path / name), 8, 8, 3, timeout=120)
+        assert [o["start"] for o in got] == [6, 6], name
     # local SGD's momenta differ between the ranks, even right after an averaging: refused, naming the fix
     run_threads(_train, 3, "localsgd", str(tmp_path / "m"), 6, 6, 3, timeout=120)
     with pytest.raises(RankFailures, match=r"per-rank optimizer state .* resume at 3 ranks"):

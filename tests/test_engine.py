@@ -15,15 +15,8 @@ import lowband
 from lowband.comm.engine import NegotiatedOrder, engine_for, issue_lane
 from lowband.comm.lane import LaneError
 from lowband.errors import InvalidArgumentError
+from lowband.teardown import lowband_threads
 from lowband.testing import nccl_emulated, run_threads
-
-
-def _lowband_threads() -> list[str]:
-    return sorted(
-        t.name
-        for t in threading.enumerate()
-        if t.name.startswith("lowband-") and not t.name.startswith("lowband-rank")
-    )
 
 
 def _two_lanes() -> dict[str, object]:
@@ -120,7 +113,7 @@ def _many_thens(count: int) -> tuple[list[float], int]:
             for i in range(count)
         ]
         lowband.barrier()  # every ``then`` is registered, none complete yet
-        most = len(_lowband_threads())
+        most = len(lowband_threads())
         lowband.barrier()
         for h in hs:
             h.wait()
@@ -155,9 +148,9 @@ def test_engine_threads_end_at_shutdown() -> None:
 
     run_threads(fn, 2, timeout=60)
     deadline = time.monotonic() + 10
-    while _lowband_threads() and time.monotonic() < deadline:
+    while [t.name for t in lowband_threads()] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _lowband_threads() == []
+    assert [t.name for t in lowband_threads()] == []
 
 
 def _cuda_streams() -> list[float]:

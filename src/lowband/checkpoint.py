@@ -182,23 +182,12 @@ class Checkpointer:
         return self.save(strategy, step) if step % self.every == 0 else None
 
     def _agree_stop(self, strategy: Strategy) -> bool:
+        from lowband.comm.control import control_allreduce
+
         g = strategy.group
         flag = torch.tensor([1 if self.stop_requested else 0], dtype=torch.int32, device="cpu")
-        if g.size > 1:
-            import datetime
-
-            import torch.distributed as dist
-
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
-            from lowband.comm.handle import comm_error
-
-            timeout = current().config.timeout
-            try:
-                g.control_pg.allreduce([flag], opts).wait(datetime.timedelta(seconds=timeout))
-            except RuntimeError as exc:
-                raise comm_error(f"Checkpointer.maybe_save on rank {g.world_rank}", exc, timeout) from exc
-        return bool(flag[0])
+        where = f"Checkpointer.maybe_save on rank {g.world_rank}"
+        return bool(control_allreduce(g, flag, "max", current(where).config.timeout, where)[0])
 
     def save(self, strategy: Strategy, step: int) -> Path:
         """Collective: the set of ``step`` (module docstring); returns its folder."""

@@ -367,3 +367,22 @@ def exchange(
         raise st.fail(mismatch(where, group, dict(enumerate(rows))))
     st.read_done(seq, group.size)  # every rank read the same table: none needs it again
     return rows
+
+
+def control_allreduce(g: Group, t: torch.Tensor, op: str, timeout: float, where: str) -> torch.Tensor:
+    """Elementwise ``op`` ("min" or "max") of a small CPU tensor over ``g``'s control process group, in
+    place (gloo: a timed wait is safe there), bounded by ``timeout``; a failure or timeout is the lowband
+    error naming ``where``. For lowband's own control values (negotiation masks, stop flags)."""
+    import torch.distributed as dist
+
+    from lowband.comm.handle import comm_error
+
+    if g.size == 1:
+        return t
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX)
+    try:
+        g.control_pg.allreduce([t], opts).wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        raise comm_error(where, exc, timeout) from exc
+    return t

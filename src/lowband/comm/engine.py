@@ -38,7 +38,6 @@ timeout; a failed task fails its handle and every later task of its lane.
 from __future__ import annotations
 
 import collections
-import datetime
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ import torch
 
 from lowband.comm.completion import close_completer
 from lowband.comm.contract import nccl_semantics
+from lowband.comm.control import control_allreduce
 from lowband.comm.handle import Handle
 from lowband.comm.lane import IssueOrder, Lane, NegotiatedOrder, Order, Task, _as_lowband, _Task
 from lowband.errors import InvalidArgumentError, LowbandError
@@ -180,7 +180,8 @@ class Engine:
             mask = order.mask()
             held = len(order.tasks)
         try:
-            agreed = _allreduce_min_control(self.group, mask, lane.timeout, f"{lane.where}: negotiate")
+            where = f"{lane.where}: negotiate on rank {self.group.world_rank}"
+            agreed = control_allreduce(self.group, mask, "min", lane.timeout, where)
         except LowbandError as exc:
             self._fail_lane(lane, exc)
             return
@@ -245,23 +246,6 @@ class Engine:
                     if not t.work.event.is_set():
                         t.work.error = _as_lowband(lane, lane.error or exc)
                         t.work.event.set()
-
-
-def _allreduce_min_control(group: Group, t: torch.Tensor, timeout: float, where: str) -> torch.Tensor:
-    """Elementwise min of a small CPU tensor over ``group``'s control process group (bounded)."""
-    import torch.distributed as dist
-
-    from lowband.comm.handle import comm_error
-
-    if group.size == 1:
-        return t
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
-    try:
-        group.control_pg.allreduce([t], opts).wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as exc:
-        raise comm_error(f"{where} on rank {group.world_rank}", exc, timeout) from exc
-    return t
 
 
 def engine_for(group: Group, ctx: Context | None = None) -> Engine:
