@@ -18,6 +18,7 @@ Writes ``gpu-check.json`` (and the bench folders) under ``--out``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -77,8 +78,12 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str], log: Path) -> tupl
         log.write_text(out)
         return False, f"timed out after {timeout:g} s"
     log.write_text(p.stdout + "\n--- stderr ---\n" + p.stderr)
-    tail = (p.stdout.strip().splitlines() or [""])[-1] if p.returncode == 0 else (p.stdout + p.stderr)[-1500:]
-    return p.returncode == 0, tail
+    lines = p.stdout.strip().splitlines() or [""]
+    if p.returncode == 0:
+        return True, lines[-1]
+    failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]  # pytest's summary, if it got there
+    tail = "\n".join([*failed, lines[-1]]) if failed else (p.stdout + p.stderr)[-1500:]
+    return False, tail
 
 
 def _bench_times(folder: Path) -> str:
@@ -117,6 +122,10 @@ def main() -> int:
     print(f"gpu-check: {head}, Python {platform.python_version()}", flush=True)
     pytest = [py, "-m", "pytest", "-p", "no:warnings", "-p", "no:cacheprovider"]
     steps = "3" if ns.quick else "8"
+    # the CUDA tests' ranks are processes sharing the GPU: with pytest-xdist present they run a few at a
+    # time (-v names each test as it ends, so a run cut by a time limit still says which failed)
+    n_workers = min(8, (os.cpu_count() or 2) // 2) if importlib.util.find_spec("xdist") else 0
+    workers = ["-n", str(n_workers)] if n_workers > 1 else []
     bench = [py, "-m", "lowband.cli", "bench", "--device", "cuda", "-n", "2", "--mode", "loopback", "--rounds", "2",
              "--steps-per-round", steps, "--warmup-rounds", "1", "--eval-items", "200", "--force"]  # fmt: skip
     shared = {**env, "LOWBAND_BACKEND": "gloo"}  # 2 ranks on one GPU: NCCL would refuse, gloo shares it
@@ -127,7 +136,7 @@ def main() -> int:
         ("single-rank NCCL + collectives", True, [py, "-c", SINGLE_RANK_NCCL], 90, env),
         ("too many ranks refused", True, [py, "-c", TOO_MANY_RANKS], 90, env),
         ("CUDA tests (pytest -m cuda)", True,
-         [*pytest, "-m", "cuda", "-rfEs", "--tb=short", "--timeout=150", "tests"], 240, env),
+         [*pytest, "-m", "cuda", "-v", "-rfEs", "--tb=short", "--timeout=150", *workers, "tests"], 360, env),
         ("bench fmnist-cnn on cuda", True,
          [*bench, "-w", "fmnist-cnn", "-s", "ddp+powersgd+slimgc+gs-sgd+dreamddp:period=5",
           "--out", str(out / "bench-cnn")], 150, shared),

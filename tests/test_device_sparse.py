@@ -66,7 +66,8 @@ def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _compute_on(device: str) -> None:
     """Thread ranks compute on the CPU unless told: the CUDA runs bind this rank to the GPU (what
     ``lowband.init(device='cuda')`` does for a process)."""
-    current("test").device = torch.device(device)
+    dev = torch.device(device)
+    current("test").device = lowband.device() if dev.type == "cuda" else dev  # cuda:N, as init binds it
 
 
 def _meta_backward(tables: Iterable[PartitionedEmbedding]) -> None:

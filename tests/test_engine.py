@@ -153,6 +153,32 @@ def test_engine_threads_end_at_shutdown() -> None:
     assert [t.name for t in lowband_threads()] == []
 
 
+def _worker_dies(monkeypatch_loop: object) -> list[str]:
+    lane = issue_lane(None, where="dying lane")
+    msgs = []
+    for _ in range(2):  # the task queued when the worker died, and one submitted after
+        try:
+            lane.submit(lambda: None).wait(5.0)
+        except lowband.LowbandError as exc:
+            msgs.append(str(exc))
+    with pytest.raises(lowband.LowbandError, match="worker broke"):
+        lane.drain()
+    return msgs
+
+
+def test_a_failed_worker_fails_its_tasks_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the worker itself fails (here on starting; on a GPU a bad device did), every task waiting and
+    every later submission raises its error: nobody waits for a worker that is gone."""
+    from lowband.comm.engine import Engine
+
+    def broken(self: Engine) -> None:
+        raise RuntimeError("worker broke")
+
+    monkeypatch.setattr(Engine, "_loop", broken)
+    msgs = run_threads(_worker_dies, 1, None, timeout=30)[0]
+    assert len(msgs) == 2 and all("worker broke" in m for m in msgs), msgs
+
+
 def _cuda_streams() -> list[float]:
     """On a CUDA rank the engine runs tasks on its own stream: a task sees what the submitting thread
     queued before it (a long matmul chain), and the taker sees what the task wrote."""

@@ -73,9 +73,13 @@ class Engine:
         self._thread: threading.Thread | None = None
         # its own CUDA stream on an NCCL group only: gloo's CUDA collectives already run on streams of
         # their own and stage through host memory, and its tasks run where they ran before the engine
+        self.device = ctx.device
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())  # the rank's, not the worker's
         self.cuda = (
-            ctx.device.type == "cuda" and torch.cuda.is_available() and nccl_semantics(group.pg, ctx.device)
+            self.device.type == "cuda" and torch.cuda.is_available() and nccl_semantics(group.pg, self.device)
         )
+        self._dead: LowbandError | None = None  # why the worker stopped, if it failed
         self.stream: Any = None
         self._last_done: Any = None  # the CUDA event of the last task that ended
 
@@ -87,9 +91,11 @@ class Engine:
         return lane
 
     def enqueue(self, lane: Lane, fn: Task, key: int | None) -> _Task:
-        ready = torch.cuda.current_stream(self.ctx.device).record_event() if self.cuda else None
+        ready = torch.cuda.current_stream(self.device).record_event() if self.cuda else None
         task = _Task(fn, lane, key, ready)
         with self._cond:
+            if self._dead is not None:
+                raise self._dead
             if self._closed:
                 raise InvalidArgumentError(f"{lane.where}: {self.where} is shut down")
             negotiating = [
@@ -127,7 +133,7 @@ class Engine:
     def consume(self) -> None:
         """Order the calling thread's CUDA stream after every task that has ended (a lane's drain)."""
         if self.cuda and self._last_done is not None:
-            torch.cuda.current_stream(self.ctx.device).wait_event(self._last_done)
+            torch.cuda.current_stream(self.device).wait_event(self._last_done)
 
     def close(self, wait: float = 0.0) -> None:
         """Stop the worker once its queue is empty (the task running now ends first), waiting at most
@@ -152,26 +158,48 @@ class Engine:
 
     def _run(self) -> None:
         bind_thread(self.ctx)
-        if self.ctx.device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.set_device(self.ctx.device)  # the thread's allocations on the rank's GPU
-        if self.cuda:
-            self.stream = torch.cuda.Stream(self.ctx.device)  # type: ignore[no-untyped-call]
         try:
-            while True:
-                with self._cond:
-                    task, lane = self._next()
-                    while task is None and lane is None and not self._closed:
-                        with idle():  # waiting for work, not for a peer: shutdown need not wait for it
-                            self._cond.wait()
-                        task, lane = self._next()
-                    if task is None and lane is None:
-                        return
-                if task is not None:
-                    self._execute(task)
-                elif lane is not None:
-                    self._negotiate(lane)
+            if self.device.type == "cuda" and torch.cuda.is_available():
+                torch.cuda.set_device(self.device)  # the thread's allocations on the rank's GPU
+            if self.cuda:
+                self.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self._loop()
+        except BaseException as exc:  # the worker itself failed: nobody may wait for it in vain
+            self._die(exc)
         finally:
             bind_thread(None)
+
+    def _die(self, exc: BaseException) -> None:
+        """Fail every task waiting and every later submission with ``exc`` (the worker has stopped)."""
+        err = exc if isinstance(exc, LowbandError) else LowbandError(f"{self.where} failed: {exc!r}")
+        with self._cond:
+            self._dead, self._closed = err, True
+            waiting = list(self._fifo)
+            self._fifo.clear()
+            lanes = list(self._negotiated)
+        for task in waiting:
+            task.work.error = _as_lowband(task.lane, err)
+            task.work.event.set()
+            with task.lane._cond:
+                task.lane.error = task.lane.error or err
+                task.lane._cond.notify_all()
+        for lane in lanes:
+            self._fail_lane(lane, err)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                task, lane = self._next()
+                while task is None and lane is None and not self._closed:
+                    with idle():  # waiting for work, not for a peer: shutdown need not wait for it
+                        self._cond.wait()
+                    task, lane = self._next()
+                if task is None and lane is None:
+                    return
+            if task is not None:
+                self._execute(task)
+            elif lane is not None:
+                self._negotiate(lane)
 
     def _negotiate(self, lane: Lane) -> None:
         order = lane.order
@@ -218,7 +246,7 @@ class Engine:
                         work.result = task.fn()
                         if lane.order.wait_each and isinstance(work.result, Handle):
                             work.result = work.result.wait(lane.timeout)
-                        work.device = self.ctx.device
+                        work.device = self.device
                         work.cuda_done = self._last_done = self.stream.record_event()
                 else:
                     work.result = task.fn()
