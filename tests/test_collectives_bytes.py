@@ -78,3 +78,31 @@ def test_allreduce_int16_wraps_like_int16(n: int) -> None:
 
     for bad in run_threads(rank_fn, n):
         assert not bad, "\n".join(bad)
+
+
+def test_alltoall_reduce_scatter_and_send_int16(n: int) -> None:
+    """The other ops move int16 as NCCL can (bytes, or widened to int32), the same on gloo."""
+
+    def rank_fn() -> list[str]:
+        r, bad = lowband.rank(), []
+        for si, rest in enumerate(((), (3,), (2, 2))):
+            xs = [_inp(k, (2 * n, *rest), si) for k in range(n)]
+            got, splits = lowband.alltoall(xs[r])
+            want = torch.cat([x[2 * r : 2 * r + 2] for x in xs])
+            if got.dtype != torch.int16 or not torch.equal(got, want) or splits != [2] * n:
+                bad.append(f"rank {r} alltoall {rest}: {got} != {want}")
+            rs = lowband.reduce_scatter(xs[r], op="sum")
+            want_rs = sum(x[2 * r : 2 * r + 2].to(torch.int32) for x in xs)
+            if rs.dtype != torch.int16 or not torch.equal(rs, torch.as_tensor(want_rs).to(torch.int16)):
+                bad.append(f"rank {r} reduce_scatter {rest}: {rs} != {want_rs}")
+        if n > 1:  # one way, rank 0 to rank 1 (a two-way unbatched exchange deadlocks on NCCL)
+            if r == 0:
+                lowband.send(_inp(0, (5,), 9), 1)
+            elif r == 1:
+                box = lowband.recv(torch.zeros(5, dtype=torch.int16), 0)
+                if box.dtype != torch.int16 or not torch.equal(box, _inp(0, (5,), 9)):
+                    bad.append(f"rank 1 recv int16 from 0: {box}")
+        return bad
+
+    for bad in run_threads(rank_fn, n):
+        assert not bad, "\n".join(bad)

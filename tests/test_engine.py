@@ -205,3 +205,43 @@ def test_engine_orders_its_cuda_stream() -> None:
 
     got = run_processes(_cuda_streams, 1, timeout=120, device="cuda")[0]
     assert got == pytest.approx([1.0, 4.0, 2.0, 8.0, 3.0, 12.0], rel=1e-5), got
+
+
+def _second_thread() -> str:
+    """Rank 0's helper thread is inside an allreduce (waiting in the argument check for rank 1, which
+    is late) when rank 0's own thread issues another collective on the same group."""
+    import threading
+    import time
+
+    from lowband.runtime import bind_thread, current
+
+    if lowband.rank() == 1:
+        time.sleep(1.0)
+        lowband.allreduce(torch.ones(2), "sum")
+        lowband.barrier()
+        return ""
+    ctx = current("test")
+    out: list[torch.Tensor] = []
+
+    def helper() -> None:
+        bind_thread(ctx)
+        out.append(lowband.allreduce(torch.ones(2), "sum"))
+
+    t = threading.Thread(target=helper, name="user-helper")
+    t.start()
+    time.sleep(0.3)
+    msg = ""
+    try:
+        lowband.barrier()
+    except lowband.InvalidArgumentError as exc:
+        msg = str(exc)
+    t.join(30)
+    lowband.barrier()  # the refused call sent nothing: the group is still matched
+    assert out and out[0].tolist() == [2.0, 2.0]
+    return msg
+
+
+def test_a_second_thread_issuing_on_a_group_is_refused() -> None:
+    msg = run_threads(_second_thread, 2, timeout=60)[0]
+    assert "thread 'lowband-rank0' issued a collective on group 'world'" in msg, msg
+    assert "thread 'user-helper' is inside allreduce" in msg, msg

@@ -195,6 +195,15 @@ def test_one_thread_after_another_passes() -> None:
     assert _run(fn) == [[4.0, 4.0]] * 2
 
 
+def test_a_dtype_nccl_lacks_raises() -> None:
+    """Control: torch's own collective of an int16 tensor (gloo moves it, NCCL has no int16)."""
+
+    def fn() -> str:
+        return _expect(lambda: _pg().allreduce([torch.zeros(3, dtype=torch.int16)]))
+
+    assert all("dtype" in m and "int16" in m for m in _run(fn))
+
+
 def test_recv_from_any_source_raises() -> None:
     def fn() -> str:
         return _expect(lambda: _pg().recv_anysource([torch.zeros(1)], 0))

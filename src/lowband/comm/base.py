@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -15,10 +17,56 @@ from lowband.group import Group
 from lowband.runtime import Context, world_group
 
 T = TypeVar("T")
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_ISSUING = "lowband.comm.issuing"
 
 
 def resolve(op: str, group: Group | None) -> tuple[Context, Group]:
     return world_group(group, op)
+
+
+def one_issuer(op: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Decorator of a collective's entry point: one thread at a time issues a group's collectives.
+
+    Two threads of one rank inside collectives of the same group at once would let each rank's thread
+    timing decide the order of the group's collectives (NCCL and gloo match collectives by issue order:
+    the ranks would mismatch or deadlock). The second thread is refused with
+    :class:`~lowband.errors.InvalidArgumentError` naming both threads, before its argument check or any
+    data is sent. Asynchronous communication belongs on the group's engine
+    (:func:`lowband.comm.engine.issue_lane`), or on a group of its own. A call nested in another of the
+    same thread (a grouped allreduce's inner ops) passes. Under the NCCL emulator
+    (:mod:`lowband.comm.nccl_emulator`) the stricter rule holds: no thread issues while another
+    thread's op on the group is still in flight."""
+
+    def deco(fn: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            group = kwargs.get("group")
+            ctx, g = resolve(op, group if isinstance(group, Group) else None)
+            marks: dict[int, tuple[int, str, str]] = ctx.state.setdefault(_ISSUING, {})
+            me = threading.current_thread()
+            mine = (me.ident or 0, me.name, op)
+            held = marks.setdefault(id(g.pg), mine)  # atomic: the first thread in holds the group
+            if held is not mine:
+                if held[0] == mine[0]:
+                    return fn(*args, **kwargs)  # nested in this thread's own op
+                raise InvalidArgumentError(
+                    f"lowband.{op} on rank {ctx.rank}: thread {me.name!r} issued a collective on group "
+                    f"{g.name!r} while thread {held[1]!r} is inside {held[2]} on it; collectives of a group "
+                    "are matched by issue order, so two threads issuing at once would let thread timing "
+                    "order them differently on each rank. Issue them from one thread, through the "
+                    "group's engine (lowband.comm.engine.issue_lane), or on a group of their own"
+                )
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                marks.pop(id(g.pg), None)
+
+        return wrapper
+
+    return deco
 
 
 def checking(ctx: Context, g: Group) -> bool:

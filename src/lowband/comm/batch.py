@@ -28,7 +28,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 
 from lowband.comm import contract
-from lowband.comm.base import nbytes, resolve
+from lowband.comm.base import GLOO_LACKS, byte_wire, nbytes, resolve
 from lowband.comm.contract import host_staged
 from lowband.comm.handle import Handle, comm_error
 from lowband.comm.trace import Tracer
@@ -167,7 +167,10 @@ class Channel:
 
     @staticmethod
     def _post_one(pg: Any, m: P2POp) -> Any:
-        w = pg.send([m.tensor], m.peer, m.tag) if m.kind == SEND else pg.recv([m.tensor], m.peer, m.tag)
+        t = m.tensor
+        if t.dtype in GLOO_LACKS and t.is_contiguous():  # as bytes: gloo's and NCCL's p2p alike
+            t = byte_wire(t.reshape(-1))
+        w = pg.send([t], m.peer, m.tag) if m.kind == SEND else pg.recv([t], m.peer, m.tag)
         return w if m.abandon_if is None else _Abandonable(w, m.abandon_if)
 
     def ibatch(

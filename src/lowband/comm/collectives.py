@@ -22,6 +22,7 @@ from lowband.comm.base import (
     contiguous_flat,
     make_handle,
     nbytes,
+    one_issuer,
     resolve,
 )
 from lowband.comm.gather import allgather, alltoall, iallgather, ialltoall
@@ -38,6 +39,7 @@ __all__ = [
 # ---------------------------------------------------------------- broadcast
 
 
+@one_issuer("broadcast")
 def ibroadcast(
     tensor: torch.Tensor,
     root: int = 0,
@@ -95,6 +97,7 @@ def broadcast(
 # ---------------------------------------------------------------- barrier
 
 
+@one_issuer("barrier")
 def ibarrier(*, name: str | None = None, group: Group | None = None) -> Handle[None]:
     """Nonblocking barrier."""
     ctx, g = resolve("barrier", group)

@@ -22,6 +22,7 @@ from lowband.comm.base import (
     checking,
     make_handle,
     nbytes,
+    one_issuer,
     resolve,
 )
 from lowband.comm.handle import Handle
@@ -51,6 +52,7 @@ def plan_buckets(tensors: Sequence[torch.Tensor], threshold: int) -> list[list[i
     return buckets
 
 
+@one_issuer("grouped_allreduce")
 def igrouped_allreduce(
     tensors: Sequence[torch.Tensor],
     op: str = "average",

@@ -14,12 +14,14 @@ import torch.distributed as dist
 
 from lowband.comm import validate
 from lowband.comm.base import (
+    GLOO_LACKS,
     byte_wire,
     check_name,
     checked_tensor,
     checking,
     contiguous_flat,
     make_handle,
+    one_issuer,
     resolve,
 )
 from lowband.comm.handle import Handle
@@ -27,6 +29,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 
 
+@one_issuer("allgather")
 def iallgather(
     tensor: torch.Tensor,
     *,
@@ -121,6 +124,7 @@ def allgather(
     return iallgather(tensor, sizes=sizes, name=name, group=group).wait()
 
 
+@one_issuer("alltoall")
 def ialltoall(
     tensor: torch.Tensor,
     splits: Sequence[int] | None = None,
@@ -190,7 +194,10 @@ def ialltoall(
             return []
         if src.numel() == 0 and out.numel() == 0:
             return []
-        return [g.pg.alltoall_base(out, src, final, send_splits, dist.AllToAllOptions())]
+        o, i = out, src
+        if t.dtype in GLOO_LACKS:  # rows as bytes (gloo and NCCL lack the dtype): dim 0 and splits unchanged
+            o, i = out.reshape(out.shape[0], -1).view(torch.uint8), src.reshape(n0, -1).view(torch.uint8)
+        return [g.pg.alltoall_base(o, i, final, send_splits, dist.AllToAllOptions())]
 
     row = int(torch.Size(rest).numel()) * t.element_size()
     me = g.rank

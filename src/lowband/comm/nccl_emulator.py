@@ -12,6 +12,7 @@ in :mod:`lowband.comm.nccl_rules` citing the torch source it encodes:
 - :func:`rule_tags_ignored` -- messages of a direction match by order; a receive whose tag (or size)
   differs from the send it meets by order raises.
 - :func:`rule_one_thread` -- a collective issued while another thread's collective is in flight raises.
+- :func:`rule_dtypes` -- a tensor of a dtype NCCL lacks (int16) raises.
 
 The cross-rank rules meet through the rendezvous store (one ``compare_set`` per point-to-point op: the
 rank posting second sees its peer's op and raises); a violation found on one rank is written to the
@@ -40,6 +41,7 @@ from lowband.comm.nccl_rules import (
     NcclContractError,
     _Batch,
     _in_torch_batch,
+    rule_dtypes,
     rule_future_at_enqueue,
     rule_one_thread,
     rule_pair_stream,
@@ -144,6 +146,7 @@ class NcclEmulator(dist.ProcessGroup):
         self, op: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor], call: Any, **kw: Any
     ) -> EmulatedWork:
         self.check_usable(op)
+        rule_dtypes(self, op, [*tensors, *outputs])
         collective = "peer" not in kw
         if collective:
             rule_one_thread(self, op)
@@ -328,6 +331,6 @@ def register_backend() -> str:
 
 __all__ = [
     "BACKEND", "ENV", "STATE_KEY", "EmulatedWork", "NcclContractError", "NcclEmulator", "OpRecord",
-    "emulate", "enabled_from_env", "op_log", "register_backend", "rule_future_at_enqueue",
+    "emulate", "enabled_from_env", "op_log", "register_backend", "rule_dtypes", "rule_future_at_enqueue",
     "rule_one_thread", "rule_pair_stream", "rule_tags_ignored", "rule_timed_wait",
 ]  # fmt: skip

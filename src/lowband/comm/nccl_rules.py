@@ -109,6 +109,29 @@ def rule_tags_ignored(emu: NcclEmulator, op: str, src: int, dst: int, tag: int, 
         )
 
 
+#: the dtypes ProcessGroupNCCL moves (torch 2.13 ProcessGroupNCCL.cpp ``ncclDataType``: bool travels as
+#: uint8; the float8 types are left out, lowband sends none)
+NCCL_DTYPES: frozenset[torch.dtype] = frozenset({
+    torch.int8, torch.uint8, torch.bool, torch.int32, torch.int64, torch.uint32, torch.uint64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+})  # fmt: skip
+
+
+def rule_dtypes(emu: NcclEmulator, op: str, tensors: list[torch.Tensor]) -> None:
+    """Only the dtypes NCCL has move.
+
+    torch 2.13 ProcessGroupNCCL.cpp ``getNcclDataType``: a dtype missing from the ``ncclDataType`` map
+    (int16, uint16, the complex types) raises "Unsupported data type for NCCL process group", where gloo
+    moves it. A library that relies on gloo for int16 breaks on NCCL: widen it or send its bytes.
+    """
+    bad = next((t for t in tensors if t.dtype not in NCCL_DTYPES), None)
+    if bad is not None:
+        raise emu.violate(
+            f"dtype: {op} of a {bad.dtype} tensor; NCCL has no such type (ProcessGroupNCCL getNcclDataType: "
+            "'Unsupported data type for NCCL process group'): widen it or send it as bytes"
+        )
+
+
 def rule_one_thread(emu: NcclEmulator, op: str) -> None:
     """Collectives on one group come from one thread at a time.
 

@@ -28,6 +28,7 @@ import torch
 
 from lowband.comm import contract, validate
 from lowband.comm.base import (
+    byte_wire,
     check_name,
     checked_tensor,
     checking,
@@ -130,11 +131,15 @@ def isend(
 
     def issue() -> list[object]:
         if not check:
-            return contract.polled([g.pg.send([buf], dst, 2 * tag)], g.pg, buf.device) if buf.numel() else []
+            return (
+                contract.polled([g.pg.send([byte_wire(buf)], dst, 2 * tag)], g.pg, buf.device)
+                if buf.numel()
+                else []
+            )
         head = _header(t)
         if g.ctl is None:  # no control process group: no answer (a mismatch times out here)
             works = [g.pg.send([head], dst, 2 * tag + 1)]
-            sends = [g.pg.send([buf], dst, 2 * tag)] if buf.numel() else []
+            sends = [g.pg.send([byte_wire(buf)], dst, 2 * tag)] if buf.numel() else []
             return works + contract.polled(sends, g.pg, buf.device)
         # the header (tag 2*tag+1) and its answer (tag 2*tag, the other way) go on the control group:
         # the data group carries only data
@@ -143,7 +148,7 @@ def isend(
         header = g.ctl.send([head], dst, 2 * tag + 1)
         data: Any = None
         if buf.numel():
-            data = contract.polled([g.pg.send([buf], dst, 2 * tag)], g.pg, buf.device)[0]
+            data = contract.polled([g.pg.send([byte_wire(buf)], dst, 2 * tag)], g.pg, buf.device)[0]
         return [_AnsweredSend(header, answer, reply, data, where, _describe(head.tolist()))]
 
     return make_handle(ctx, g, "send", name, issue, lambda: None, nbytes(t), 0, polled=False)
@@ -179,7 +184,11 @@ def irecv(
             # Only the header is posted now: the data receive is posted once the header matches, so
             # a mismatched send raises here instead of aborting the process inside gloo.
             return [(g.pg if g.ctl is None else g.ctl).recv([head], src, 2 * tag + 1)]
-        return contract.polled([g.pg.recv([buf], src, 2 * tag)], g.pg, buf.device) if buf.numel() else []
+        return (
+            contract.polled([g.pg.recv([byte_wire(buf)], src, 2 * tag)], g.pg, buf.device)
+            if buf.numel()
+            else []
+        )
 
     def answer(status: int, mine: torch.Tensor) -> Any:
         if g.ctl is None:
@@ -194,7 +203,7 @@ def irecv(
             try:
                 sent = answer(_OK, mine)
                 if buf.numel():
-                    contract.polled([g.pg.recv([buf], src, 2 * tag)], g.pg, buf.device)[0].wait(td)
+                    contract.polled([g.pg.recv([byte_wire(buf)], src, 2 * tag)], g.pg, buf.device)[0].wait(td)
                 if sent is not None:
                     sent.wait(td)
             except RuntimeError as exc:
@@ -214,7 +223,7 @@ def irecv(
             sent = answer(_MISMATCH, mine)
             if dtype is not None and theirs[3] > 0:  # drain the data the sender has posted
                 drain = torch.empty(theirs[3], dtype=dtype, device=buf.device)
-                contract.polled([g.pg.recv([drain], src, 2 * tag)], g.pg, buf.device)[0].wait(td)
+                contract.polled([g.pg.recv([byte_wire(drain)], src, 2 * tag)], g.pg, buf.device)[0].wait(td)
             if sent is not None:
                 sent.wait(td)
         except RuntimeError:

@@ -18,6 +18,7 @@ from lowband.comm.base import (
     contiguous_flat,
     make_handle,
     nbytes,
+    one_issuer,
     resolve,
 )
 from lowband.comm.handle import Handle
@@ -40,6 +41,7 @@ def ring_bytes(total: int, p: int) -> int:
     return 2 * (p - 1) * total // p if p > 1 else 0
 
 
+@one_issuer("allreduce")
 def iallreduce(
     tensor: torch.Tensor,
     op: str = "average",
@@ -99,6 +101,7 @@ def allreduce(
     return iallreduce(tensor, op, inplace=inplace, name=name, group=group).wait()
 
 
+@one_issuer("reduce_scatter")
 def ireduce_scatter(
     tensor: torch.Tensor, op: str = "average", *, name: str | None = None, group: Group | None = None
 ) -> Handle[torch.Tensor]:
@@ -121,6 +124,10 @@ def ireduce_scatter(
     out = torch.empty((t.shape[0] // p, *t.shape[1:]), dtype=t.dtype, device=t.device)
     src = contiguous_flat(t)
     dst = contiguous_flat(out)
+    # dtypes gloo (and NCCL) lack are reduced widened to int32, as allreduce does
+    wide = t.dtype in GLOO_LACKS and p > 1
+    wsrc = src.to(torch.int32) if wide else src
+    wdst = torch.empty(dst.shape, dtype=torch.int32, device=dst.device) if wide else dst
 
     def issue() -> list[object]:
         if p == 1:
@@ -130,9 +137,11 @@ def ireduce_scatter(
             return []
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = TORCH_OPS[rop]
-        return [g.pg._reduce_scatter_base(dst, src, opts)]
+        return [g.pg._reduce_scatter_base(wdst, wsrc, opts)]
 
     def finish() -> torch.Tensor:
+        if wdst is not dst:
+            dst.copy_(wdst)
         if rop == "average" and p > 1:
             out.div_(p)
         return out
