@@ -62,6 +62,11 @@ VARIANTS: dict[str, tuple[dict[str, Any], float]] = {
     # Algorithm 1's delayed rows belong to an iteration the strategy advances after every step
     "embrace/vertical": ({"schedule": "vertical", "overlap": True}, 0.0),  # lazy SGD: no momentum
     "atc/period": ({"period": 2, "allreduce_every": 2}, 0.9),
+    # streamed fragments, one applied a step late and mixed, compressed with error feedback
+    "diloco/streaming": (
+        {"inner_steps": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "compressor": "topk:ratio=0.3"},
+        0.9,
+    ),
 }
 #: torch DDP runs on process-wide groups only
 PROCESS_ONLY = ("ddp", "ddp-sparse", "powersgd")

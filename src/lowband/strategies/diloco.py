@@ -1,18 +1,35 @@
-"""DiLoCo ("DiLoCo: Distributed Low-Communication Training of Language Models", Douillard et al.,
-preprint 2023, arXiv 2311.08455), Algorithm 1: every rank takes ``inner_steps`` = H steps of the user's (inner)
+"""DiLoCo and its streaming, compressed variants: one outer loop.
+
+DiLoCo ("DiLoCo: Distributed Low-Communication Training of Language Models", Douillard et al., preprint
+2023, arXiv 2311.08455), Algorithm 1: every rank takes ``inner_steps`` = H steps of the user's (inner)
 optimizer on its own data; then the ranks average their *pseudo-gradients* ``θ - θ_r`` (the global
-parameters of the period's start minus the rank's own) in one allreduce, and the *outer* optimizer
-steps the global parameters on that average (the paper's: SGD with Nesterov momentum 0.9, lr 0.7);
-every rank continues from the new global parameters. Each rank keeps its inner optimizer's state across
-periods, as the paper does.
+parameters of the period's start minus the rank's own), and the *outer* optimizer steps the global
+parameters on that average (the paper's: SGD with Nesterov momentum 0.9, lr 0.7); every rank continues
+from the new global parameters. Each rank keeps its inner optimizer's state across periods.
 
 ``outer=sgd:lr=1.0;momentum=0`` with ``inner_steps=1`` and a plain SGD inner optimizer is synchronous
 data-parallel SGD (up to rounding: the average of ``lr * g_r`` is recovered as a parameter difference).
 
-The global parameters ``θ`` are taken at the first step (after the initial broadcast, so equal on every
-rank); they, the outer optimizer's state (its momentum) and the inner step count are in
-:meth:`state_dict`, so a run resumes exactly, mid-period too. Between outer steps the replicas differ:
-``average_model`` gives their mean, ``in_sync()`` is True right after an outer step.
+Streaming (Streaming DiLoCo, Douillard et al., preprint 2025, arXiv 2501.18512): ``fragments=F`` splits
+the parameters into F runs of consecutive tensors (:mod:`lowband.localsgd.fragments`), each with its own
+global copy and outer optimizer, synchronised at staggered inner steps of the period; the exchange of a
+fragment starts at its step and is applied ``delay`` = τ inner steps later (the communication overlaps
+those steps' computation), the local fragment then mixed with the new global one:
+``θ_local <- alpha * θ_local + (1 - alpha) * θ_global`` (``alpha=0``: replaced, as DiLoCo does).
+
+Compression: the pseudo-gradient of each fragment goes through a compressed reducer built from the
+compression framework's specs (``compressor=``, ``reducer=`` the transport, ``memory=`` residual error
+feedback by default, keyed by parameter name), so a 2 % top-k or a DCT top-k with error feedback
+replaces the full-precision average (SparseLoCo's and DeMo's recipes, with ``outer=sgd:lr=..;momentum=0``
+where the error feedback stands in for outer momentum). ``compressor=identity`` (the default) is the
+exact average.
+
+The global parameters are taken at the first step (after the initial broadcast, so equal on every
+rank); they, the outer optimizers' state, the error-feedback memory, the inner step count and the
+exchanges in flight (completed and kept with the step they are due at) are in :meth:`state_dict`, so a
+run resumes exactly, mid-period and mid-fragment. Between outer steps the replicas differ:
+``average_model`` gives their mean; ``in_sync()`` is True right after a whole-model outer step that
+replaced the replicas (one fragment, no delay, ``alpha=0``).
 """
 
 from __future__ import annotations
@@ -22,9 +39,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowband.comm.reduce import allreduce
+from lowband.comm.handle import Handle, completed
+from lowband.compress.reducer import CompressedReducer
+from lowband.compress.specs import REDUCER_OPTIONS, build_reducer, describe_reducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.localsgd.fragments import check_delay, split_fragments, sync_offsets
+from lowband.optim.reducer import ReduceContext, Unit
 from lowband.options import Opt, Options
 from lowband.registry import parse_spec
 from lowband.strategies.base import OptimizerFactory, Strategy
@@ -54,7 +75,8 @@ def parse_outer(spec: object) -> tuple[type[torch.optim.Optimizer], dict[str, An
 
 @register_strategy(
     "diloco",
-    "DiLoCo: H inner steps per rank, then an outer optimizer step on the averaged pseudo-gradient",
+    "DiLoCo: H inner steps per rank, then an outer optimizer step on the averaged pseudo-gradient "
+    "(streamed in fragments, compressed with error feedback)",
     Options(
         {
             "inner_steps": Opt(
@@ -66,8 +88,18 @@ def parse_outer(spec: object) -> tuple[type[torch.optim.Optimizer], dict[str, An
                 doc=f"the outer optimizer on the averaged pseudo-gradient, name:key=value;... with name one of "
                 f"{sorted(OUTER)} (default {DEFAULT_OUTER}, the paper's)",
             ),
+            "fragments": Opt(
+                int, min=1, doc="F: fragments synchronised at staggered inner steps (Streaming DiLoCo)"
+            ),
+            "delay": Opt(
+                int, min=0, unit="steps", doc="tau: inner steps between a fragment's send and its update"
+            ),
+            "alpha": Opt(
+                float, min=0, max=1, doc="mixing of the local fragment into the new global one (0: replace)"
+            ),
         }
-    ),
+    )
+    | REDUCER_OPTIONS,
 )
 class DiLoCoStrategy(Strategy):
     """See the module docstring."""
@@ -84,81 +116,172 @@ class DiLoCoStrategy(Strategy):
         *,
         inner_steps: int = 50,
         outer: str = DEFAULT_OUTER,
+        fragments: int = 1,
+        delay: int = 0,
+        alpha: float = 0.0,
+        compressor: str = "identity",
+        reducer: str = "auto",
+        memory: str = "residual",
+        seed: int = 0,
     ) -> None:
-        self.inner_steps = inner_steps
+        where = f"strategy 'diloco' on rank {group.rank}"
+        named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        try:
+            self.fragments = split_fragments([q.numel() for _, q in named], fragments)
+            self.offsets = sync_offsets(fragments, inner_steps)
+            check_delay(delay, fragments, inner_steps)
+        except InvalidArgumentError as exc:
+            raise InvalidArgumentError(f"{where}: {exc}") from None
+        self.inner_steps, self.delay, self.alpha = inner_steps, delay, float(alpha)
         self.outer_spec = outer
         self.outer_cls, self.outer_options = parse_outer(outer)
+        self.reducer: CompressedReducer = build_reducer(compressor, reducer, memory, seed=seed, where=where)
         super().__init__(model, make_optimizer(model.parameters()), group)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [q for _, q in named]
         self.inner_done = 0
         self.outer_steps = 0
         self.global_params: list[nn.Parameter] | None = None  # θ, taken at the first step
-        self.outer: torch.optim.Optimizer | None = None
+        self.outers: list[torch.optim.Optimizer] = []  # one per fragment
+        self.units: list[Unit] = []
+        #: per fragment in flight: (the inner step it is applied at, the handle of the averaged pseudo-gradient)
+        self.pending: dict[int, tuple[int, Handle[list[torch.Tensor]]]] = {}
+        self.sent = [0] * len(self.fragments)  # exchanges started, per fragment (the reducer's step)
 
     def hparams(self) -> dict[str, Any]:
-        return {"H": self.inner_steps, "outer": self.outer_spec}
+        d = describe_reducer(self.reducer)
+        return {
+            "H": self.inner_steps,
+            "outer": self.outer_spec,
+            "fragments": len(self.fragments),
+            "delay": self.delay,
+            "alpha": self.alpha,
+            "compressor": d["compressor"],
+            "reducer": d["transport"],
+            "memory": d["memory"],
+        }
 
     # -- the step ---------------------------------------------------------------------------------
     def _take_global(self, values: list[torch.Tensor] | None = None) -> None:
-        src = values if values is not None else [p.detach() for p in self.params]
+        src = values if values is not None else [q.detach() for q in self.params]
         self.global_params = [nn.Parameter(v.clone()) for v in src]
-        self.outer = self.outer_cls(self.global_params, **self.outer_options)
+        self.outers = [
+            self.outer_cls([self.global_params[i] for i in frag], **self.outer_options)
+            for frag in self.fragments
+        ]
+        self.units = [
+            Unit(
+                f"diloco:fragment{k}",
+                tuple(self.names[i] for i in frag),
+                tuple(self.global_params[i] for i in frag),
+            )
+            for k, frag in enumerate(self.fragments)
+        ]
 
     def apply_step(self) -> None:
         if self.global_params is None:
             self._take_global()
         super().apply_step()
         self.inner_done += 1
-        if self.inner_done % self.inner_steps == 0:
-            self._outer_step()
+        for k in sorted(self.pending):
+            if self.pending[k][0] == self.inner_done:
+                self._apply(k)
+        phase = self.inner_done % self.inner_steps
+        for k, off in enumerate(self.offsets):
+            if phase == off:
+                self._send(k)
+                if self.delay == 0:
+                    self._apply(k)
 
     @torch.no_grad()
-    def _outer_step(self) -> None:
-        assert self.global_params is not None and self.outer is not None
-        deltas = [g.detach() - p.detach() for g, p in zip(self.global_params, self.params, strict=True)]
-        flat = torch.cat([d.reshape(-1) for d in deltas])
-        avg = allreduce(flat, "average", name="diloco:pseudo-gradient", group=self.group)
-        off = 0
-        for g, d in zip(self.global_params, deltas, strict=True):
-            g.grad = avg[off : off + d.numel()].view_as(d).clone()
-            off += d.numel()
-        self.outer.step()
-        self.outer.zero_grad(set_to_none=True)
-        for g, p in zip(self.global_params, self.params, strict=True):
-            p.copy_(g)
-        self.outer_steps += 1
+    def _send(self, k: int) -> None:
+        """Start averaging fragment ``k``'s pseudo-gradient (compressed, if so configured)."""
+        assert self.global_params is not None
+        frag = self.fragments[k]
+        deltas = [self.global_params[i].detach() - self.params[i].detach() for i in frag]
+        ctx = ReduceContext(self.group, self.sent[k])
+        self.pending[k] = (self.inner_done + self.delay, self.reducer.reduce(self.units[k], deltas, ctx))
+        self.sent[k] += 1
+
+    @torch.no_grad()
+    def _apply(self, k: int) -> None:
+        """Fragment ``k``'s outer step on its averaged pseudo-gradient, and the local copy mixed in."""
+        assert self.global_params is not None
+        _, handle = self.pending.pop(k)
+        avg = handle.wait()
+        frag = self.fragments[k]
+        for i, a in zip(frag, avg, strict=True):
+            self.global_params[i].grad = a
+        self.outers[k].step()
+        self.outers[k].zero_grad(set_to_none=True)
+        for i in frag:
+            g, q = self.global_params[i], self.params[i]
+            if self.alpha == 0.0:
+                q.copy_(g)
+            else:
+                q.mul_(self.alpha).add_(g, alpha=1.0 - self.alpha)
+        if k == len(self.fragments) - 1:
+            self.outer_steps += 1
+
+    def synchronize(self) -> None:
+        """Finish the exchanges in flight (their results stay due at their step)."""
+        for _, h in self.pending.values():
+            h.wait()
 
     def in_sync(self) -> bool:
-        return self.inner_done > 0 and self.inner_done % self.inner_steps == 0
+        whole = len(self.fragments) == 1 and self.delay == 0 and self.alpha == 0.0
+        return whole and self.inner_done > 0 and self.inner_done % self.inner_steps == 0
 
     def report(self) -> dict[str, Any]:
         return {**super().report(), "outer_steps": self.outer_steps}
 
     # -- state ------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
+        pending = {k: (due, [t.detach().clone() for t in h.wait()]) for k, (due, h) in self.pending.items()}
         return {
             "inner_done": self.inner_done,
             "outer_steps": self.outer_steps,
+            "sent": list(self.sent),
             "global": None
             if self.global_params is None
             else [g.detach().clone() for g in self.global_params],
-            "outer": None if self.outer is None else self.outer.state_dict(),
+            "outers": [o.state_dict() for o in self.outers],
+            "reducer": self.reducer.state_dict(),
+            "pending": pending,
         }
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
+        where = f"strategy 'diloco' on rank {self.group.world_rank}"
         self.inner_done = int(state.get("inner_done", 0))
         self.outer_steps = int(state.get("outer_steps", 0))
+        self.sent = [int(x) for x in state.get("sent", [self.outer_steps] * len(self.fragments))]
+        if "reducer" in state:
+            self.reducer.load_state_dict(state["reducer"])
         glob = state.get("global")
+        self.pending = {}
         if glob is None:
-            self.global_params, self.outer = None, None
+            self.global_params, self.outers = None, []
             return
-        shapes = [tuple(p.shape) for p in self.params]
+        shapes = [tuple(q.shape) for q in self.params]
         if [tuple(g.shape) for g in glob] != shapes:
             raise InvalidArgumentError(
-                f"strategy 'diloco' on rank {self.group.world_rank}: the checkpoint's global parameters "
-                f"have shapes {[tuple(g.shape) for g in glob]}, this model's {shapes}"
+                f"{where}: the checkpoint's global parameters have shapes {[tuple(g.shape) for g in glob]}, "
+                f"this model's {shapes}"
             )
-        self._take_global([g.to(p.device, p.dtype) for g, p in zip(glob, self.params, strict=True)])
-        assert self.outer is not None
-        if state.get("outer") is not None:
-            self.outer.load_state_dict(state["outer"])
+        self._take_global([g.to(q.device, q.dtype) for g, q in zip(glob, self.params, strict=True)])
+        outers = state.get("outers")
+        if outers is None and state.get("outer") is not None:
+            outers = [state["outer"]]  # a checkpoint of the whole-model outer loop (one fragment)
+        if outers is not None:
+            if len(outers) != len(self.outers):
+                raise InvalidArgumentError(
+                    f"{where}: the checkpoint has {len(outers)} fragments' outer optimizers, this run "
+                    f"{len(self.outers)} fragments"
+                )
+            for o, sd in zip(self.outers, outers, strict=True):
+                o.load_state_dict(sd)
+        for k, (due, values) in dict(state.get("pending", {})).items():
+            dev = [self.params[i] for i in self.fragments[int(k)]]
+            got = [v.to(q.device, q.dtype) for v, q in zip(values, dev, strict=True)]
+            restored = completed(got, op="diloco", name=f"fragment{k}", rank=self.group.rank)
+            self.pending[int(k)] = (int(due), restored)
