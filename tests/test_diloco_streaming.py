@@ -130,6 +130,64 @@ def test_compressed_pseudo_gradients_with_error_feedback(n: int, H: int, F: int,
         _close(got[r], want[r], 1e-10)
 
 
+def _gossip_oracle(n: int, H: int, F: int, topology: str) -> list[list[float]]:
+    """The decentralised outer step: every rank keeps its own global copy; fragment p's pseudo-gradients
+    are mixed by the graph's weights (pull: rank i takes sum_j W[i, j] x_j; a dynamic graph's c-th
+    exchange of the fragment uses its step-c graph), then each rank steps its own copy (Nesterov)."""
+    from lowband.topology import DynamicTopology
+    from lowband.topology.names import build_topology
+
+    topo = build_topology("oracle", topology, (topology,), n, 1)
+    base = _model()
+    reps = [copy.deepcopy(base) for _ in range(n)]
+    globs = [copy.deepcopy(base) for _ in range(n)]
+    inner = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in reps]
+    frags = split_fragments([q.numel() for q in base.parameters()], F)
+    offs = sync_offsets(F, H)
+    outers = [
+        [
+            torch.optim.SGD([list(g.parameters())[i] for i in f], lr=0.7, momentum=0.9, nesterov=True)
+            for f in frags
+        ]
+        for g in globs
+    ]
+    sent = [0] * F
+    for k in range(STEPS):
+        for r in range(n):
+            inner[r].zero_grad()
+            _loss(reps[r], r, k).backward()
+            inner[r].step()
+        with torch.no_grad():
+            for p, off in enumerate(offs):
+                if (k + 1) % H != off:
+                    continue
+                graph = topo.at(sent[p]) if isinstance(topo, DynamicTopology) else topo
+                w = torch.tensor(graph.weights, dtype=torch.float64)
+                sent[p] += 1
+                deltas = [
+                    [list(globs[r].parameters())[i] - list(reps[r].parameters())[i] for i in frags[p]]
+                    for r in range(n)
+                ]
+                for r in range(n):
+                    gp = list(globs[r].parameters())
+                    for j, i in enumerate(frags[p]):
+                        gp[i].grad = sum(w[r, s] * deltas[s][j] for s in range(n))
+                    outers[r][p].step()
+                    outers[r][p].zero_grad(set_to_none=True)
+                    for i in frags[p]:
+                        list(reps[r].parameters())[i].copy_(gp[i])
+    return [_flat(m) for m in reps]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize(("topology", "F"), [("dynamic-exp2", 1), ("ring", 2)])
+def test_decentralised_outer_step_mixes_with_neighbours(n: int, topology: str, F: int) -> None:
+    got = run_threads(_train, n, {"inner_steps": 3, "fragments": F, "topology": topology}, timeout=120)
+    want = _gossip_oracle(n, 3, F, topology)
+    for r in range(n):
+        _close(got[r], want[r], 1e-10)
+
+
 def _conserve() -> float:
     """Per rank: the pseudo-gradients handed to the reducer sum to what it sent (its local decodes) plus
     the residual left in its error-feedback memory."""
@@ -216,6 +274,8 @@ def test_offsets_stagger_and_one_fragment_is_diloco() -> None:
         ({"inner_steps": 2, "fragments": 3}, "fragments <= inner_steps"),
         ({"compressor": "nosuch"}, "nosuch"),
         ({"alpha": 1.5}, "alpha"),
+        ({"topology": "ring", "compressor": "topk:ratio=0.1"}, "full precision"),
+        ({"topology": "nosuch"}, "nosuch"),
     ],
 )
 def test_bad_options_are_refused(opts: dict[str, object], message: str) -> None:

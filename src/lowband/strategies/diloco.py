@@ -24,6 +24,11 @@ replaces the full-precision average (SparseLoCo's and DeMo's recipes, with ``out
 where the error feedback stands in for outer momentum). ``compressor=identity`` (the default) is the
 exact average.
 
+Decentralised (``topology=``, as NoLoCo does with one peer per round): instead of the all-rank average,
+each rank averages its pseudo-gradient with its neighbours in a graph (BlueFog's topologies:
+``dynamic-exp2`` changes the one peer at every exchange of a fragment) and steps its own copy of the
+global parameters, which then differ between ranks; full precision only.
+
 The global parameters are taken at the first step (after the initial broadcast, so equal on every
 rank); they, the outer optimizers' state, the error-feedback memory, the inner step count and the
 exchanges in flight (completed and kept with the step they are due at) are in :meth:`state_dict`, so a
@@ -34,6 +39,7 @@ replaced the replicas (one fragment, no delay, ``alpha=0``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -42,14 +48,18 @@ from torch import nn
 from lowband.comm.handle import Handle, completed
 from lowband.compress.reducer import CompressedReducer
 from lowband.compress.specs import REDUCER_OPTIONS, build_reducer, describe_reducer
+from lowband.decentral.neighbor import ineighbor_allreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.fragments import check_delay, split_fragments, sync_offsets
 from lowband.optim.reducer import ReduceContext, Unit
 from lowband.options import Opt, Options
 from lowband.registry import parse_spec
+from lowband.runtime import current
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
+from lowband.topology import DynamicTopology, Topology
+from lowband.topology.names import TOPOLOGIES, build_topology, topology_label
 
 #: the outer optimizers a spec can name
 OUTER: dict[str, type[torch.optim.Optimizer]] = {
@@ -97,6 +107,13 @@ def parse_outer(spec: object) -> tuple[type[torch.optim.Optimizer], dict[str, An
             "alpha": Opt(
                 float, min=0, max=1, doc="mixing of the local fragment into the new global one (0: replace)"
             ),
+            "topology": Opt(
+                str,
+                choices=("none", *TOPOLOGIES),
+                objects=(Topology, DynamicTopology),
+                doc="none: the all-rank average; else a decentralised outer step, each rank averaging its "
+                "pseudo-gradient with its neighbours in this graph (dynamic-exp2: one peer per exchange)",
+            ),
         }
     )
     | REDUCER_OPTIONS,
@@ -119,6 +136,7 @@ class DiLoCoStrategy(Strategy):
         fragments: int = 1,
         delay: int = 0,
         alpha: float = 0.0,
+        topology: object = "none",
         compressor: str = "identity",
         reducer: str = "auto",
         memory: str = "residual",
@@ -136,6 +154,16 @@ class DiLoCoStrategy(Strategy):
         self.outer_spec = outer
         self.outer_cls, self.outer_options = parse_outer(outer)
         self.reducer: CompressedReducer = build_reducer(compressor, reducer, memory, seed=seed, where=where)
+        self.topology_name = topology_label(topology)
+        self.topology: Topology | DynamicTopology | None = None
+        if not (isinstance(topology, str) and topology == "none"):
+            if compressor != "identity":
+                raise InvalidArgumentError(
+                    f"{where}: topology={self.topology_name!r} averages pseudo-gradients with neighbours in full "
+                    f"precision; compressor={compressor!r} goes with the all-rank average (topology=none)"
+                )
+            local = current(where).local_size
+            self.topology = build_topology(where, topology, tuple(TOPOLOGIES), group.size, local)
         super().__init__(model, make_optimizer(model.parameters()), group)
         self.names = [n for n, _ in named]
         self.params = [q for _, q in named]
@@ -156,6 +184,7 @@ class DiLoCoStrategy(Strategy):
             "fragments": len(self.fragments),
             "delay": self.delay,
             "alpha": self.alpha,
+            "topology": self.topology_name,
             "compressor": d["compressor"],
             "reducer": d["transport"],
             "memory": d["memory"],
@@ -199,8 +228,15 @@ class DiLoCoStrategy(Strategy):
         assert self.global_params is not None
         frag = self.fragments[k]
         deltas = [self.global_params[i].detach() - self.params[i].detach() for i in frag]
-        ctx = ReduceContext(self.group, self.sent[k])
-        self.pending[k] = (self.inner_done + self.delay, self.reducer.reduce(self.units[k], deltas, ctx))
+        if self.topology is None:
+            handle = self.reducer.reduce(self.units[k], deltas, ReduceContext(self.group, self.sent[k]))
+        else:  # each rank with its neighbours; a dynamic graph advances once per exchange of the fragment
+            topo = self.topology
+            graph = topo.at(self.sent[k]) if isinstance(topo, DynamicTopology) else topo
+            flat = torch.cat([d.reshape(-1) for d in deltas])
+            mixed = ineighbor_allreduce(flat, topology=graph, name=f"diloco:fragment{k}", group=self.group)
+            handle = mixed.map(functools.partial(_split, like=deltas))
+        self.pending[k] = (self.inner_done + self.delay, handle)
         self.sent[k] += 1
 
     @torch.no_grad()
@@ -229,7 +265,7 @@ class DiLoCoStrategy(Strategy):
             h.wait()
 
     def in_sync(self) -> bool:
-        whole = len(self.fragments) == 1 and self.delay == 0 and self.alpha == 0.0
+        whole = len(self.fragments) == 1 and self.delay == 0 and self.alpha == 0.0 and self.topology is None
         return whole and self.inner_done > 0 and self.inner_done % self.inner_steps == 0
 
     def report(self) -> dict[str, Any]:
@@ -285,3 +321,12 @@ class DiLoCoStrategy(Strategy):
             got = [v.to(q.device, q.dtype) for v, q in zip(values, dev, strict=True)]
             restored = completed(got, op="diloco", name=f"fragment{k}", rank=self.group.rank)
             self.pending[int(k)] = (int(due), restored)
+
+
+def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut into tensors shaped as ``like``."""
+    out, pos = [], 0
+    for t in like:
+        out.append(flat[pos : pos + t.numel()].view_as(t))
+        pos += t.numel()
+    return out
