@@ -188,6 +188,49 @@ def test_decentralised_outer_step_mixes_with_neighbours(n: int, topology: str, F
         _close(got[r], want[r], 1e-10)
 
 
+def _hier_oracle(machines: int, per: int, H: int) -> list[list[float]]:
+    """inner=ddp: the ranks of a machine train one replica on the mean of their gradients (plain SGD
+    with momentum on the averaged gradient); every H steps the machines' pseudo-gradients are averaged
+    and the outer Nesterov step taken (Algorithm 1 over machines)."""
+    glob = _model()
+    reps = [copy.deepcopy(glob) for _ in range(machines)]
+    inner = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in reps]
+    outer = torch.optim.SGD(glob.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for k in range(STEPS):
+        for mi, m in enumerate(reps):
+            grads = []
+            for lr in range(per):
+                m.zero_grad()
+                _loss(m, mi * per + lr, k).backward()
+                grads.append([q.grad.clone() for q in m.parameters()])
+            for i, q in enumerate(m.parameters()):
+                q.grad = sum(g[i] for g in grads) / per
+            inner[mi].step()
+        if (k + 1) % H == 0:
+            with torch.no_grad():
+                for i, g in enumerate(glob.parameters()):
+                    g.grad = sum(g - list(m.parameters())[i] for m in reps) / machines
+                outer.step()
+                for m in reps:
+                    for q, g in zip(m.parameters(), glob.parameters(), strict=True):
+                        q.copy_(g)
+    return [_flat(reps[r // per]) for r in range(machines * per)]
+
+
+@pytest.mark.parametrize(("machines", "per"), [(2, 2), (2, 3)])
+@pytest.mark.parametrize("compressor", ["identity", "topk:ratio=0.3"])
+def test_inner_ddp_runs_the_outer_loop_between_machines(machines: int, per: int, compressor: str) -> None:
+    opts = {"inner_steps": 3, "inner": "ddp", "compressor": compressor}
+    got = run_threads(_train, machines * per, opts, timeout=120, local_size=per)
+    for r in range(1, machines * per):  # the ranks of a machine hold one replica
+        if r % per:
+            assert got[r] == got[r - 1]
+    if compressor == "identity":
+        want = _hier_oracle(machines, per, 3)
+        for r in range(machines * per):
+            _close(got[r], want[r], 1e-10)
+
+
 def _conserve() -> float:
     """Per rank: the pseudo-gradients handed to the reducer sum to what it sent (its local decodes) plus
     the residual left in its error-feedback memory."""
@@ -242,10 +285,14 @@ def _resume(opts: dict[str, object]) -> tuple[list[float], list[float]]:
     return _flat(m1), _flat(m2)
 
 
-@pytest.mark.parametrize("n", [2, 3])
-def test_resume_mid_fragment_with_an_exchange_in_flight_is_exact(n: int) -> None:
-    opts = {"inner_steps": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "compressor": "topk:ratio=0.3"}
-    for a, b in run_threads(_resume, n, opts, timeout=120):
+@pytest.mark.parametrize(("n", "local"), [(2, None), (3, None), (4, 2)])
+def test_resume_mid_fragment_with_an_exchange_in_flight_is_exact(n: int, local: int | None) -> None:
+    opts: dict[str, object] = {
+        "inner_steps": 4, "fragments": 2, "delay": 1, "alpha": 0.5, "compressor": "topk:ratio=0.3"
+    }  # fmt: skip
+    if local:
+        opts["inner"] = "ddp"
+    for a, b in run_threads(_resume, n, opts, timeout=120, local_size=local):
         assert a == b
 
 
@@ -276,6 +323,7 @@ def test_offsets_stagger_and_one_fragment_is_diloco() -> None:
         ({"alpha": 1.5}, "alpha"),
         ({"topology": "ring", "compressor": "topk:ratio=0.1"}, "full precision"),
         ({"topology": "nosuch"}, "nosuch"),
+        ({"inner": "ddp"}, "inner=ddp needs several machines"),
     ],
 )
 def test_bad_options_are_refused(opts: dict[str, object], message: str) -> None:

@@ -40,83 +40,36 @@ replaced the replicas (one fragment, no delay, ``alpha=0``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from lowband.comm.collectives import broadcast
 from lowband.comm.handle import Handle, completed
 from lowband.compress.reducer import CompressedReducer
-from lowband.compress.specs import REDUCER_OPTIONS, build_reducer, describe_reducer
+from lowband.compress.specs import build_reducer, describe_reducer
 from lowband.decentral.neighbor import ineighbor_allreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.fragments import check_delay, split_fragments, sync_offsets
-from lowband.optim.reducer import ReduceContext, Unit
-from lowband.options import Opt, Options
-from lowband.registry import parse_spec
+from lowband.optim.reducer import AllreduceReducer, ReduceContext, Unit
+from lowband.optim.stage import GradientStage
+from lowband.optim.units import model_units
 from lowband.runtime import current
 from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.diloco_options import DEFAULT_OUTER, DILOCO_OPTIONS, parse_outer
 from lowband.strategies.registry import register_strategy
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import TOPOLOGIES, build_topology, topology_label
-
-#: the outer optimizers a spec can name
-OUTER: dict[str, type[torch.optim.Optimizer]] = {
-    "sgd": torch.optim.SGD,
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-}
-DEFAULT_OUTER = "sgd:lr=0.7;momentum=0.9;nesterov=true"
-
-
-def parse_outer(spec: object) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """``name:key=value;...`` -> (optimizer class, options), checked by building it on one tensor."""
-    name, opts = parse_spec(str(spec), "outer optimizer", semicolons=True)
-    cls = OUTER.get(name)
-    if cls is None:
-        raise InvalidArgumentError(f"outer optimizer {name!r} is not one of {sorted(OUTER)}")
-    try:
-        cls([nn.Parameter(torch.zeros(1))], **opts)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"outer optimizer spec {spec!r}: {exc}") from exc
-    return cls, opts
 
 
 @register_strategy(
     "diloco",
     "DiLoCo: H inner steps per rank, then an outer optimizer step on the averaged pseudo-gradient "
     "(streamed in fragments, compressed with error feedback)",
-    Options(
-        {
-            "inner_steps": Opt(
-                int, min=1, unit="steps", doc="H: inner optimizer steps between two outer steps"
-            ),
-            "outer": Opt(
-                str,
-                parse=parse_outer,
-                doc=f"the outer optimizer on the averaged pseudo-gradient, name:key=value;... with name one of "
-                f"{sorted(OUTER)} (default {DEFAULT_OUTER}, the paper's)",
-            ),
-            "fragments": Opt(
-                int, min=1, doc="F: fragments synchronised at staggered inner steps (Streaming DiLoCo)"
-            ),
-            "delay": Opt(
-                int, min=0, unit="steps", doc="tau: inner steps between a fragment's send and its update"
-            ),
-            "alpha": Opt(
-                float, min=0, max=1, doc="mixing of the local fragment into the new global one (0: replace)"
-            ),
-            "topology": Opt(
-                str,
-                choices=("none", *TOPOLOGIES),
-                objects=(Topology, DynamicTopology),
-                doc="none: the all-rank average; else a decentralised outer step, each rank averaging its "
-                "pseudo-gradient with its neighbours in this graph (dynamic-exp2: one peer per exchange)",
-            ),
-        }
-    )
-    | REDUCER_OPTIONS,
+    DILOCO_OPTIONS,
 )
 class DiLoCoStrategy(Strategy):
     """See the module docstring."""
@@ -137,6 +90,7 @@ class DiLoCoStrategy(Strategy):
         delay: int = 0,
         alpha: float = 0.0,
         topology: object = "none",
+        inner: str = "local",
         compressor: str = "identity",
         reducer: str = "auto",
         memory: str = "residual",
@@ -156,15 +110,34 @@ class DiLoCoStrategy(Strategy):
         self.reducer: CompressedReducer = build_reducer(compressor, reducer, memory, seed=seed, where=where)
         self.topology_name = topology_label(topology)
         self.topology: Topology | DynamicTopology | None = None
-        if not (isinstance(topology, str) and topology == "none"):
-            if compressor != "identity":
+        if not (isinstance(topology, str) and topology == "none") and compressor != "identity":
+            raise InvalidArgumentError(
+                f"{where}: topology={self.topology_name!r} averages pseudo-gradients with neighbours in full "
+                f"precision; compressor={compressor!r} goes with the all-rank average (topology=none)"
+            )
+        ctx = current(where)
+        self.inner = inner
+        #: the group of the outer exchange (None: this rank receives the result from its machine's first)
+        self.outer_group: Group | None = group
+        self.machine: Group | None = None
+        if inner == "ddp":
+            if ctx.machine_size == 1 or ctx.local_group is None or group.ranks != ctx.world.ranks:
                 raise InvalidArgumentError(
-                    f"{where}: topology={self.topology_name!r} averages pseudo-gradients with neighbours in full "
-                    f"precision; compressor={compressor!r} goes with the all-rank average (topology=none)"
+                    f"{where}: inner=ddp needs several machines of several ranks (--ranks-per-machine, "
+                    f"local_size) and the world group; here {ctx.machine_size} machine(s) of {ctx.local_size} rank(s)"
                 )
-            local = current(where).local_size
-            self.topology = build_topology(where, topology, tuple(TOPOLOGIES), group.size, local)
+            self.machine = ctx.local_group
+            self.outer_group = ctx.machine_group if ctx.rank % ctx.local_size == 0 else None
+        if not (isinstance(topology, str) and topology == "none"):
+            peers = ctx.machine_size if inner == "ddp" else group.size
+            self.topology = build_topology(
+                where, topology, tuple(TOPOLOGIES), peers, 1 if inner == "ddp" else ctx.local_size
+            )
         super().__init__(model, make_optimizer(model.parameters()), group)
+        if self.machine is not None:  # the machine's ranks average every inner step, from backward hooks
+            self.stage = GradientStage(
+                model_units(model, 25.0, 1.0), AllreduceReducer(), group=self.machine, where=where
+            )
         self.names = [n for n, _ in named]
         self.params = [q for _, q in named]
         self.inner_done = 0
@@ -173,7 +146,7 @@ class DiLoCoStrategy(Strategy):
         self.outers: list[torch.optim.Optimizer] = []  # one per fragment
         self.units: list[Unit] = []
         #: per fragment in flight: (the inner step it is applied at, the handle of the averaged pseudo-gradient)
-        self.pending: dict[int, tuple[int, Handle[list[torch.Tensor]]]] = {}
+        self.pending: dict[int, tuple[int, Handle[list[torch.Tensor]] | None]] = {}
         self.sent = [0] * len(self.fragments)  # exchanges started, per fragment (the reducer's step)
 
     def hparams(self) -> dict[str, Any]:
@@ -185,6 +158,7 @@ class DiLoCoStrategy(Strategy):
             "delay": self.delay,
             "alpha": self.alpha,
             "topology": self.topology_name,
+            "inner": self.inner,
             "compressor": d["compressor"],
             "reducer": d["transport"],
             "memory": d["memory"],
@@ -210,6 +184,8 @@ class DiLoCoStrategy(Strategy):
     def apply_step(self) -> None:
         if self.global_params is None:
             self._take_global()
+        if self.machine is not None:
+            self.stage.wait()  # the machine's average in .grad
         super().apply_step()
         self.inner_done += 1
         for k in sorted(self.pending):
@@ -228,13 +204,18 @@ class DiLoCoStrategy(Strategy):
         assert self.global_params is not None
         frag = self.fragments[k]
         deltas = [self.global_params[i].detach() - self.params[i].detach() for i in frag]
-        if self.topology is None:
-            handle = self.reducer.reduce(self.units[k], deltas, ReduceContext(self.group, self.sent[k]))
+        handle: Handle[list[torch.Tensor]] | None = None
+        if self.outer_group is None:
+            pass  # inner=ddp, not the machine's first rank: the result comes by broadcast when applied
+        elif self.topology is None:
+            handle = self.reducer.reduce(self.units[k], deltas, ReduceContext(self.outer_group, self.sent[k]))
         else:  # each rank with its neighbours; a dynamic graph advances once per exchange of the fragment
             topo = self.topology
             graph = topo.at(self.sent[k]) if isinstance(topo, DynamicTopology) else topo
             flat = torch.cat([d.reshape(-1) for d in deltas])
-            mixed = ineighbor_allreduce(flat, topology=graph, name=f"diloco:fragment{k}", group=self.group)
+            mixed = ineighbor_allreduce(
+                flat, topology=graph, name=f"diloco:fragment{k}", group=self.outer_group
+            )
             handle = mixed.map(functools.partial(_split, like=deltas))
         self.pending[k] = (self.inner_done + self.delay, handle)
         self.sent[k] += 1
@@ -244,8 +225,18 @@ class DiLoCoStrategy(Strategy):
         """Fragment ``k``'s outer step on its averaged pseudo-gradient, and the local copy mixed in."""
         assert self.global_params is not None
         _, handle = self.pending.pop(k)
-        avg = handle.wait()
         frag = self.fragments[k]
+        avg = handle.wait() if handle is not None else None
+        if self.machine is not None:  # the machine's first rank hands the outer average to the others
+            like = [self.params[i] for i in frag]
+            flat = (
+                torch.cat([a.reshape(-1) for a in avg])
+                if avg is not None
+                else torch.empty(sum(q.numel() for q in like), dtype=like[0].dtype, device=like[0].device)
+            )
+            broadcast(flat, 0, inplace=True, name=f"diloco:fragment{k}", group=self.machine)
+            avg = _split(flat, like)
+        assert avg is not None
         for i, a in zip(frag, avg, strict=True):
             self.global_params[i].grad = a
         self.outers[k].step()
@@ -262,7 +253,18 @@ class DiLoCoStrategy(Strategy):
     def synchronize(self) -> None:
         """Finish the exchanges in flight (their results stay due at their step)."""
         for _, h in self.pending.values():
-            h.wait()
+            if h is not None:
+                h.wait()
+        if self.machine is not None:
+            self.stage.wait()
+
+    def finish_gradients(self) -> None:
+        if self.machine is not None:
+            self.stage.wait()
+
+    def close(self) -> None:
+        if self.machine is not None:
+            self.stage.remove_hooks()
 
     def in_sync(self) -> bool:
         whole = len(self.fragments) == 1 and self.delay == 0 and self.alpha == 0.0 and self.topology is None
@@ -273,7 +275,10 @@ class DiLoCoStrategy(Strategy):
 
     # -- state ------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        pending = {k: (due, [t.detach().clone() for t in h.wait()]) for k, (due, h) in self.pending.items()}
+        pending = {
+            k: (due, None if h is None else [t.detach().clone() for t in h.wait()])
+            for k, (due, h) in self.pending.items()
+        }
         return {
             "inner_done": self.inner_done,
             "outer_steps": self.outer_steps,
@@ -317,13 +322,16 @@ class DiLoCoStrategy(Strategy):
             for o, sd in zip(self.outers, outers, strict=True):
                 o.load_state_dict(sd)
         for k, (due, values) in dict(state.get("pending", {})).items():
+            if values is None:
+                self.pending[int(k)] = (int(due), None)
+                continue
             dev = [self.params[i] for i in self.fragments[int(k)]]
             got = [v.to(q.device, q.dtype) for v, q in zip(values, dev, strict=True)]
             restored = completed(got, op="diloco", name=f"fragment{k}", rank=self.group.rank)
             self.pending[int(k)] = (int(due), restored)
 
 
-def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``flat`` cut into tensors shaped as ``like``."""
     out, pos = [], 0
     for t in like:
