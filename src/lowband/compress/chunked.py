@@ -106,8 +106,10 @@ def chunk_topk_indices(a: Tensor, k: int) -> Tensor:
     ties = a == kth
     need = k - above.sum(dim=1, keepdim=True)
     chosen = above | (ties & (ties.cumsum(dim=1) <= need))
-    # exactly k per row: a nonzero of known size (no host synchronisation), row-major, so ascending
-    return torch.nonzero_static(chosen, size=n * k)[:, 1].reshape(n, k)
+    # exactly k per row: a nonzero of known size (no host synchronisation) over the flat rows, so
+    # ascending and row after row; less each row's offset
+    flat = torch.nonzero_static(chosen.view(-1), size=n * k).view(n, k)
+    return flat - torch.arange(0, n * c, c, device=a.device).unsqueeze(1)
 
 
 def check_parts(c: Compressor, payload: Payload, want: int) -> None:
