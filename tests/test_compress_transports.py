@@ -36,6 +36,8 @@ def compressors() -> list[tuple[str, Compressor]]:
         ("threshold", Threshold(0.5)),
         ("threshold-bare", Threshold(0.5, bare=True)),
         ("randk", SharedRandomK(0.5)),
+        ("dct-topk", make_compressor("dct-topk:chunk=8,topk=2")),
+        ("chunktopk", make_compressor("chunktopk:chunk=8,k=3")),
     ]
 
 

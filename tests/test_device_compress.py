@@ -229,8 +229,9 @@ STOCHASTIC = {"qsgd", "terngrad"}
 #: ``a * b + c`` that CUDA's elementwise kernels contract into one fused multiply-add (minmax8's decode
 #: ``lo + code * step``: on an H200 its results differed from the CPU's in the last bits, 2026-11-26);
 #: onebit's and twobit's reconstruction values are means of the positive and negative parts (on an
-#: H200 they differed from the CPU's in the last bits over every transport, 2026-11-27)
-REDUCING = {"scaledsign", "minmax8", "onebit", "twobit"}
+#: H200 they differed from the CPU's in the last bits over every transport, 2026-11-27); dct-topk's
+#: transform is a matrix product (cuBLAS sums in its own order)
+REDUCING = {"scaledsign", "minmax8", "onebit", "twobit", "dct-topk"}
 
 
 def cuda_tolerance(spec: str, transport: str) -> float | None:

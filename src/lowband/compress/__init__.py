@@ -2,6 +2,8 @@
 ranks' payloads as reducers of the gradient stage (see docs/ARCHITECTURE.md, "compress/")."""
 
 from lowband.compress import casts as _casts  # noqa: F401  (registers identity, fp16, bf16)
+from lowband.compress import chunked as _chunked  # noqa: F401  (chunktopk)
+from lowband.compress import dct as _dct  # noqa: F401  (dct-topk)
 from lowband.compress import quantize as _quantize  # noqa: F401  (sign, scaledsign, qsgd, terngrad, minmax8)
 from lowband.compress import sparse as _sparse  # noqa: F401  (registers topk, randomk)
 from lowband.compress import threshold as _threshold  # noqa: F401  (onebit, twobit)
