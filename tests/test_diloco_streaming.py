@@ -121,11 +121,19 @@ def test_streaming_fragments_follow_the_update_rule(n: int, H: int, F: int, tau:
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-@pytest.mark.parametrize(("H", "F", "tau"), [(3, 1, 0), (4, 2, 1)])
-def test_compressed_pseudo_gradients_with_error_feedback(n: int, H: int, F: int, tau: int) -> None:
-    opts = {"inner_steps": H, "fragments": F, "delay": tau, "compressor": "topk:ratio=0.3"}
+@pytest.mark.parametrize(
+    ("H", "F", "tau", "spec"),
+    [
+        (3, 1, 0, "topk:ratio=0.3"),
+        (4, 2, 1, "topk:ratio=0.3"),
+        (4, 2, 1, "chunktopk:chunk=8;ratio=0.25;bits=2"),  # SparseLoCo's recipe
+        (3, 1, 0, "dct-topk:chunk=8;topk=2"),  # DeMo's transform
+    ],
+)
+def test_compressed_pseudo_gradients_with_error_feedback(n: int, H: int, F: int, tau: int, spec: str) -> None:
+    opts = {"inner_steps": H, "fragments": F, "delay": tau, "compressor": spec}
     got = run_threads(_train, n, opts, timeout=120)
-    want = _oracle(n, H, F, tau, 0.0, "topk:ratio=0.3")
+    want = _oracle(n, H, F, tau, 0.0, spec)
     for r in range(n):
         _close(got[r], want[r], 1e-10)
 
