@@ -110,6 +110,7 @@ class GradientStage:
             if check_layout:
                 self._check_layout(g)
             self._fast = g.unchecked()
+            reducer.prepare(self.units, self._fast)  # per-unit state built (and agreed) once, now
         self.accumulate = check_accumulate(where, accumulate)
         self.on_reduced = on_reduced
         #: reductions completed (the ``step`` a reducer is given)

@@ -38,14 +38,14 @@ from torch import nn
 
 from lowband.comm.engine import issue_lane
 from lowband.comm.initial import broadcast_initial_state
-from lowband.compress.reducer import Timings, make_reducer
+from lowband.compress.reducer import make_reducer
 from lowband.compress.slimgc.backup import ModelBackup
 from lowband.compress.slimgc.pipeline import SlimGCReducer
 from lowband.compress.slimgc.table import parse_comm_threshold
 from lowband.compress.specs import REDUCER_OPTIONS
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.optim.reducer import Unit, parameter_names
+from lowband.optim.reducer import Timings, Unit, parameter_names
 from lowband.optim.stage import GradientStage
 from lowband.options import Opt, Options, Rule
 from lowband.runtime import current, open_member_group
