@@ -10,8 +10,10 @@ in traces and errors; it is derived from the names, never from a bucket index.
 The protocol. A :class:`Reducer` gets one unit's gradients (in the unit's order) with a
 :class:`ReduceContext` (the group and the step counter, a seed for randomised compressors) and returns
 a :class:`~lowband.comm.handle.Handle` whose result is the reduced gradients, same shapes and order (it
-may reduce in place and return the same tensors). Besides ``reduce``, every reducer answers, so that
-no caller probes its type:
+may reduce in place and return the same tensors). That handle is the only way results come back: no
+reducer has a side channel, and whoever holds the handles decides when to wait (the gradient stage at
+the step, or a step later: :meth:`GradientStage.hand_off <lowband.optim.stage.GradientStage.hand_off>`).
+Besides ``reduce``, every reducer answers, so that no caller probes its type:
 
 - :meth:`Reducer.prepare` ``(units, group)``: called once by the gradient stage when it is built, on
   every rank, before the first reduction; a reducer may build and agree on per-unit state there
@@ -29,7 +31,8 @@ phase is issued from a place whose order is fixed: (a) by the thread that waits,
 launch order, the same on every rank); (b) on the calling thread, waiting for the first phase inside
 ``reduce`` (PowerSGD: P's allreduce waited, Q's returned); (c) as tasks of an issue-order
 :class:`~lowband.comm.lane.Lane` of the group's communication engine, in submission order, the handle a
-lane task's (a task may return a handle). Never
+lane task's (a task may return a handle) or a :class:`~lowband.comm.lane.Promise` the lane's later
+task settles (SlimGC: every unit's handle completes when its round's last operation is done). Never
 issue a later phase from torch's callback thread (``Handle.then``): its timing differs per rank.
 
 :class:`AllreduceReducer` is the plain reducer: an average by one fused allreduce.
