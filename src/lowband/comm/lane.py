@@ -1,6 +1,11 @@
 """Lanes of the communication engine (:mod:`lowband.comm.engine`): a client's tasks, their ordering
 policy (:class:`IssueOrder`, :class:`NegotiatedOrder`), first error, counters and busy time, and the
-``Work``-like completion of each task that lowband's :class:`~lowband.comm.handle.Handle` waits on."""
+``Work``-like completion of each task that lowband's :class:`~lowband.comm.handle.Handle` waits on.
+
+A :class:`Promise` is a result that a *later* task of the lane delivers than the one submitted for it:
+SlimGC submits one task per unit, but a unit's averages exist only when its round's fused operations
+are done, so every unit's handle is a handle over its round's promise, which the round's last task
+settles. A wait on a promise ends with the lane's first error, so a failed task never leaves it hanging."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import datetime
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -20,6 +25,7 @@ if TYPE_CHECKING:
     from lowband.comm.engine import Engine
 
 Task = Callable[[], Any]
+T = TypeVar("T")
 
 
 class LaneError(LowbandError):
@@ -39,12 +45,71 @@ class _TaskWork:
     def is_completed(self) -> bool:
         return self.event.is_set()
 
+    def get_future(self) -> Any:
+        """None to give: :class:`Handle` then waits through the rank's completion thread (``then``,
+        ``future``), as for gloo's send/recv."""
+        raise RuntimeError("Work::getFuture not implemented for a task of the communication engine")
+
     def wait(self, timeout: datetime.timedelta) -> bool:
         if not self.event.wait(timeout.total_seconds()):
             raise RuntimeError(f"timed out after {timeout.total_seconds():g} s in the communication engine")
         if self.error is not None:
             raise self.error
         return True
+
+
+class _PromiseWork(_TaskWork):
+    """A :class:`Promise`'s completion: complete when settled, failed with its lane's first error."""
+
+    def __init__(self, lane: Lane) -> None:
+        super().__init__()
+        self.lane = lane
+
+    def is_completed(self) -> bool:
+        return self.event.is_set() or self.lane.error is not None
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        if not self.event.is_set():
+            self.lane.wait_until(self.event.is_set, "a promised result", timeout.total_seconds())
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class Promise:
+    """A value a later task of ``lane`` delivers with :meth:`set` (module docstring); :meth:`handle`
+    gives handles over it. Made by :meth:`Lane.promise`."""
+
+    def __init__(self, lane: Lane) -> None:
+        self.lane = lane
+        self._work = _PromiseWork(lane)
+
+    def set(self, value: Any) -> None:
+        """Deliver ``value`` (from a task of the lane: on a CUDA engine, the consumer's stream then
+        waits for the work the task has queued so far)."""
+        work, eng = self._work, self.lane.engine
+        if eng is not None and eng.cuda:
+            work.device = eng.device
+            work.cuda_done = torch.cuda.current_stream(eng.device).record_event()
+        work.result = value
+        work.event.set()
+        self.lane.notify()
+
+    def done(self) -> bool:
+        return self._work.event.is_set()
+
+    def handle(self, pick: Callable[[Any], T], *, name: str | None = None) -> Handle[T]:
+        """A handle whose result is ``pick(value)``, complete when the value is delivered (bounded by
+        the lane's timeout; the lane's first error if a task of it fails first)."""
+        work, lane = self._work, self.lane
+        return Handle(
+            [work],
+            lambda: _take(work, lane.timeout, pick),
+            op="engine",
+            name=name,
+            rank=lane.rank,
+            timeout=lane.timeout,
+        )
 
 
 class _Task:
@@ -172,6 +237,10 @@ class Lane:
             timeout=self.timeout,
         )
 
+    def promise(self) -> Promise:
+        """A result a later task of this lane delivers (:class:`Promise`)."""
+        return Promise(self)
+
     def raise_error(self) -> None:
         """Raise the lane's first task error, if any (the lowband error itself, else :class:`LaneError`)."""
         err = self.error
@@ -240,11 +309,14 @@ def _rank_or(default: int) -> int:
         return default
 
 
-def _take(work: _TaskWork, timeout: float) -> Any:
-    """A finished task's result for the thread taking it: an inner handle waited, CUDA ordered."""
+def _take(work: _TaskWork, timeout: float, pick: Callable[[Any], Any] | None = None) -> Any:
+    """A finished task's result (or ``pick`` of it) for the thread taking it: an inner handle waited,
+    CUDA ordered."""
     value = work.result
     if isinstance(value, Handle):
         value = value.wait(timeout)
+    if pick is not None:
+        value = pick(value)
     if work.cuda_done is not None:
         stream = torch.cuda.current_stream(work.device)
         stream.wait_event(work.cuda_done)

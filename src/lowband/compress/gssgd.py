@@ -34,7 +34,8 @@ residual at the global indices; what was dropped on the way is lost).
 Defaults the papers leave open: 5 rows; ``cols=0`` means ``10 k`` columns (Sketched-SGD's published
 runs), at most ``ceil(numel / rows)`` so a sketch is never larger than the gradient; the hash tables of a
 unit are seeded from ``(seed, unit)`` and their checksum is agreed across ranks (:func:`lowband.agree`)
-when the strategy is built (:meth:`SketchingReducer.prepare`; else the first time the unit is reduced).
+when the gradient stage is built (:meth:`SketchingReducer.prepare`; else, as a DDP comm hook, the first time
+the unit is reduced).
 A warm-up density (``warmup=``, :mod:`~lowband.compress.sparse_update`) with another ``k`` has its own
 sketch of ``10 k`` columns, built and agreed at the same time.
 Later rounds run in ``wait()`` (see :func:`lowband.comm.tree.itree`).
@@ -129,9 +130,9 @@ class SketchingReducer(SparseUpdateReducer):
             return self.cols
         return max(1, min(10 * self.k_for(numel, step, density=density), -(-numel // self.rows)))
 
-    def prepare(self, units: list[Unit], group: Group) -> None:
-        """Build (and agree on) every unit's tables now rather than at the unit's first reduction: one
-        sketch per distinct size (a warm-up density may need its own)."""
+    def prepare(self, units: Sequence[Unit], group: Group) -> None:
+        """Build (and agree on) every unit's tables when the gradient stage is built rather than at the
+        unit's first reduction: one sketch per distinct size (a warm-up density may need its own)."""
         for u in units:
             numel = sum(p.numel() for p in u.params)
             for d in self.densities():

@@ -29,11 +29,12 @@ from torch import nn
 from lowband.comm.initial import broadcast_initial_state
 from lowband.compress.base import Compressor
 from lowband.compress.dgc import DGCMemory, check_optimizer
-from lowband.compress.reducer import CompressedReducer, Timings
+from lowband.compress.reducer import CompressedReducer
 from lowband.compress.reshard import reshard_reducer_states
 from lowband.compress.specs import build_reducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.reducer import Timings
 from lowband.optim.stage import GradientStage
 from lowband.optim.units import check_bucket_mb, model_units
 from lowband.runtime import world_group
@@ -112,7 +113,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
 
     @property
     def timings(self) -> Timings:
-        """Seconds spent compressing and decoding (:class:`lowband.compress.reducer.Timings`)."""
+        """Seconds spent compressing and decoding (:class:`lowband.optim.reducer.Timings`)."""
         return self.reducer.timings
 
     def __repr__(self) -> str:

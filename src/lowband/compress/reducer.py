@@ -9,8 +9,8 @@ the local decode, and the averaged result written back into the gradients. A tra
 :meth:`CompressedReducer.exchange`: move this rank's payload, combine every rank's, and return a handle
 whose result is the average over ranks of their decodes (a flat tensor).
 
-Timing. :attr:`CompressedReducer.timings` accumulates the seconds spent compressing (memory included)
-on the calling thread and decoding (on the waiting thread, or on torch's callback thread for decodes a
+Timing. :attr:`CompressedReducer.timings` (the reducer protocol's :class:`~lowband.optim.reducer.Timings`)
+accumulates the seconds spent compressing (memory included) on the calling thread and decoding (on the waiting thread, or on torch's callback thread for decodes a
 transport chains with ``then``; the share on the calling thread is kept apart), so a bench can split
 compression from communication (the complaint about GRACE that it cannot).
 """
@@ -21,7 +21,6 @@ import abc
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,29 +38,11 @@ from lowband.compress.memory import MEMORIES, Memory, NoMemory, Segments
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.nonfinite import poison_
-from lowband.optim.reducer import ReduceContext, Reducer, Unit
+from lowband.optim.reducer import ReduceContext, Reducer, Timings, Unit
 from lowband.options import Opt, Options
 from lowband.registry import Registry
 
 Tensor = torch.Tensor
-
-
-@dataclass
-class Timings:
-    """Seconds spent in compression (memory included) and decompression, and the units processed.
-
-    ``decompress_inline_s`` is the part of ``decompress_s`` spent on the thread that called
-    :meth:`CompressedReducer.reduce` (the training thread: on the critical path); the rest ran on
-    torch's callback threads (chained with :meth:`~lowband.comm.handle.Handle.then`), overlapped."""
-
-    compress_s: float = 0.0
-    decompress_s: float = 0.0
-    decompress_inline_s: float = 0.0
-    units: int = 0
-
-    def reset(self) -> None:
-        self.compress_s = self.decompress_s = self.decompress_inline_s = 0.0
-        self.units = 0
 
 
 def flatten(grads: list[Tensor]) -> Tensor:
@@ -96,6 +77,8 @@ class CompressedReducer(Reducer):
 
     #: the transport's name in specs and reports
     transport: str = "transport"
+    #: compression and decoding seconds (module docstring)
+    timings: Timings
 
     def __init__(
         self, compressor: Compressor | str, memory: Memory | str | None = "residual", *, seed: int = 0

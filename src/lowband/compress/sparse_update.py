@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from lowband.compress.memory import ResidualMemory, Segments
-from lowband.compress.reducer import Timings, flatten, segments, unflatten_into
+from lowband.compress.reducer import flatten, segments, unflatten_into
 from lowband.compress.sparse import count_from_ratio
 from lowband.errors import InvalidArgumentError
-from lowband.optim.reducer import Reducer, Unit
+from lowband.optim.reducer import Reducer, Timings, Unit
 from lowband.options import Opt, Options, Rule
 
 Tensor = torch.Tensor
@@ -103,6 +103,8 @@ class SparseUpdateReducer(Reducer):
     """The shared part of the gs-SGD, Sketched-SGD and gTop-k reducers; see the module docstring."""
 
     name = "sparse"
+    #: compression (sketching, residuals) and recovery seconds, all on the thread that reduces and waits
+    timings: Timings
 
     def __init__(
         self,

@@ -7,11 +7,35 @@ reducer keeps per gradient (error-feedback memory, warm-start factors) can be ke
 it survives a new bucketing, a restart and a different unit layout. Its :attr:`Unit.key` names the unit
 in traces and errors; it is derived from the names, never from a bucket index.
 
-A :class:`Reducer` gets one unit's gradients (in the unit's order) with a :class:`ReduceContext` (the
-group and the step counter, a seed for randomised compressors) and returns a
-:class:`~lowband.comm.handle.Handle` whose result is the reduced gradients, same shapes and order (it
-may reduce in place and return the same tensors). Reducers holding state implement ``state_dict`` /
-``load_state_dict``. :class:`AllreduceReducer` is the plain one: an average by one fused allreduce.
+The protocol. A :class:`Reducer` gets one unit's gradients (in the unit's order) with a
+:class:`ReduceContext` (the group and the step counter, a seed for randomised compressors) and returns
+a :class:`~lowband.comm.handle.Handle` whose result is the reduced gradients, same shapes and order (it
+may reduce in place and return the same tensors). That handle is the only way results come back: no
+reducer has a side channel, and whoever holds the handles decides when to wait (the gradient stage at
+the step, or a step later: :meth:`GradientStage.hand_off <lowband.optim.stage.GradientStage.hand_off>`).
+Besides ``reduce``, every reducer answers, so that no caller probes its type:
+
+- :meth:`Reducer.prepare` ``(units, group)``: called once by the gradient stage when it is built, on
+  every rank, before the first reduction; a reducer may build and agree on per-unit state there
+  (sketching reducers build their hash tables; collectives on ``group`` are allowed). No-op by default.
+- :attr:`Reducer.timings`: a :class:`Timings` of the seconds the reducer spends coding on the thread
+  that calls ``reduce`` and waits (the training thread), which the step clock reports as compression
+  (:mod:`lowband.strategies.breakdown`), or None when it spends none there.
+- ``state_dict`` / ``load_state_dict`` (keyed by parameter name) and :attr:`Reducer.carries_nonfinite`.
+
+Phases. A reducer may issue several dependent collectives for one unit (gs-SGD's second round on the
+coordinates its first round found, PowerSGD's P then Q, SlimGC's fused rounds); the handle it returns
+stands for all of them. The collectives must be issued in the same order on every rank, so a later
+phase is issued from a place whose order is fixed: (a) by the thread that waits, chained with
+:meth:`Handle.map <lowband.comm.handle.Handle.map>` (gs-SGD, Sketched-SGD, gTop-k: the stage waits in
+launch order, the same on every rank); (b) on the calling thread, waiting for the first phase inside
+``reduce`` (PowerSGD: P's allreduce waited, Q's returned); (c) as tasks of an issue-order
+:class:`~lowband.comm.lane.Lane` of the group's communication engine, in submission order, the handle a
+lane task's (a task may return a handle) or a :class:`~lowband.comm.lane.Promise` the lane's later
+task settles (SlimGC: every unit's handle completes when its round's last operation is done). Never
+issue a later phase from torch's callback thread (``Handle.then``): its timing differs per rank.
+
+:class:`AllreduceReducer` is the plain reducer: an average by one fused allreduce.
 """
 
 from __future__ import annotations
@@ -31,6 +55,25 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 
 Tensor = torch.Tensor
+
+
+@dataclass
+class Timings:
+    """Seconds a reducer spends in compression (memory included) and decompression, and the units
+    processed (:attr:`Reducer.timings`).
+
+    ``decompress_inline_s`` is the part of ``decompress_s`` spent on the thread that called
+    ``reduce`` (the training thread: on the critical path); the rest ran elsewhere (torch's callback
+    threads, with :meth:`~lowband.comm.handle.Handle.then`), overlapped."""
+
+    compress_s: float = 0.0
+    decompress_s: float = 0.0
+    decompress_inline_s: float = 0.0
+    units: int = 0
+
+    def reset(self) -> None:
+        self.compress_s = self.decompress_s = self.decompress_inline_s = 0.0
+        self.units = 0
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,6 +108,15 @@ class Reducer(abc.ABC):
     #: the unit is zeroed and the flags exchanged), "raw" (a stateless average carries it as it is) or
     #: "poison" (the unit is zeroed before any state sees it, and the payload made NaN on the wire)
     carries_nonfinite = ""
+
+    #: the seconds spent coding on the thread that calls :meth:`reduce` (module docstring), or None
+    timings: Timings | None = None
+
+    def prepare(self, units: Sequence[Unit], group: Group) -> None:
+        """Called once, on every rank, with every unit this reducer will see and the group it reduces
+        over (per-op checks off), before the first reduction: build and agree on per-unit state here.
+        Nothing by default."""
+        return None
 
     @abc.abstractmethod
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
@@ -117,6 +169,9 @@ class PriorityReducer(Reducer):
         if k is None:
             raise InvalidArgumentError(f"PriorityReducer: unit {unit.key!r} is not one of the queue's units")
         return self.queue.submit(k, lambda: self.inner.reduce(unit, grads, ctx), name=unit.key)
+
+    def prepare(self, units: Sequence[Unit], group: Group) -> None:
+        self.inner.prepare(units, group)
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

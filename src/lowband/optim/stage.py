@@ -9,6 +9,10 @@ backward of the units before it. Whoever steps then waits only for what it steps
 - whole-model stepping: :meth:`GradientStage.wait` completes every unit (the reduced gradients are in
   ``.grad``), then the wrapped torch optimizer steps (:class:`~lowband.decentral.gradient_allreduce.
   GradientAllreduceOptimizer`, the ``stage`` strategy);
+- stepping a round later: :meth:`GradientStage.hand_off` launches what is left and hands the round's
+  handles over (a :class:`~lowband.optim.reduction.Reduction`) without waiting; ``.grad`` keeps this
+  rank's gradients and the next backward may start (SlimGC's model backup consumes the round one step
+  later);
 - per-layer stepping: ``on_reduced(i)`` runs for each unit, on the thread running the backward, as
   soon as its reduction is complete (polled at every later gradient hook, the rest waited when the
   backward ends): :class:`~lowband.optim.LayerwiseOptimizer` steps layer ``i`` there. Without a
@@ -53,6 +57,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.nonfinite import NonFiniteGuard, snapshot
 from lowband.optim.reducer import ReduceContext, Reducer, Unit
+from lowband.optim.reduction import Reduction, settle
 from lowband.optim.scaling import GradUnscaler
 from lowband.runtime import world_group
 
@@ -110,6 +115,7 @@ class GradientStage:
             if check_layout:
                 self._check_layout(g)
             self._fast = g.unchecked()
+            reducer.prepare(self.units, self._fast)  # per-unit state built (and agreed) once, now
         self.accumulate = check_accumulate(where, accumulate)
         self.on_reduced = on_reduced
         #: reductions completed (the ``step`` a reducer is given)
@@ -252,15 +258,7 @@ class GradientStage:
 
     def _finish(self, i: int) -> None:
         h, grads = self._handles.pop(i)
-        out = h.wait()
-        if len(out) != len(grads):
-            raise InvalidArgumentError(
-                f"{self.where}: the reducer returned {len(out)} tensors for unit {self.units[i].key!r} of "
-                f"{len(grads)} gradients"
-            )
-        for g, r in zip(grads, out):
-            if r is not g:
-                g.copy_(r)
+        settle(self.where, self.units[i], h, grads, into_grads=True)
 
     def _report(self, i: int) -> None:
         self._reported[i] = True
@@ -321,6 +319,26 @@ class GradientStage:
         self._launch_rest()
         if self.reducer is not None:
             self._report_done(block=True)
+
+    def hand_off(self) -> Reduction:
+        """Launch the units not launched yet (as :meth:`wait` does) and hand the round over without
+        waiting, as a :class:`~lowband.optim.reduction.Reduction` of every unit's handle (its results are
+        not written into ``.grad`` unless the reducer reduced in place); the next backward may start a
+        new round. Needs a reducer, no ``on_reduced``, and a backward pass since the last reduction."""
+        if self._in_backward or self.reducer is None or self.on_reduced is not None or not self.pending():
+            raise InvalidArgumentError(
+                f"{self.where}: hand_off() needs a reducer, no on_reduced, and a backward pass since the "
+                "last reduction, outside backward"
+            )
+        if not self._open:  # passes accumulated, nothing launched yet
+            self._new_round()
+            self._open = True
+        self._launch_rest()
+        launched = [(i, *self._handles.pop(i)) for i in self._order if i in self._handles]
+        reduction = Reduction(self.where, self.rounds, self.units, launched)
+        self._reported = [True] * len(self.units)
+        self._end_round()
+        return reduction
 
     def complete(self, i: int) -> None:
         """Complete unit ``i`` alone (its reduced gradients in ``.grad``) and report it, if it is launched

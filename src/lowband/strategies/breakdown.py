@@ -7,7 +7,7 @@ Measured per step on the thread that trains (never inferred from another run):
   reducer's ``reduce`` calls during backward (:attr:`GradientStage.reduce_s`: compressing and issuing
   the unit's communication);
 - ``compression_s``: compression (error-feedback memory included) and the decoding done on this
-  thread (:class:`lowband.compress.reducer.Timings`: ``compress_s`` + ``decompress_inline_s``); decodes a
+  thread (the reducer's :attr:`~lowband.optim.Reducer.timings`: ``compress_s`` + ``decompress_inline_s``); decodes a
   transport runs on torch's callback threads are overlapped and not counted here;
 - ``comm_s``: the rest of the reducer's launches during backward (issuing collectives, exchanging sizes)
   plus the time the thread waits in :meth:`GradientStage.wait`, less the compression done inside it.
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lowband.compress.reducer import Timings
+from lowband.optim.reducer import Timings
 from lowband.optim.stage import GradientStage
 from lowband.strategies.base import Strategy
 

@@ -26,11 +26,9 @@ from lowband.compress.gssgd import (
     GsSGDReducer,
     GTopKReducer,
     SketchedSGDReducer,
-    SketchingReducer,
 )
 from lowband.compress.sparse_update import SPARSE_OPTIONS, SparseUpdateReducer
 from lowband.group import Group
-from lowband.optim.reducer import Reducer
 from lowband.optim.units import BUCKET_OPTIONS
 from lowband.options import Opt, Options
 from lowband.strategies.base import OptimizerFactory
@@ -48,23 +46,19 @@ class SparseStageStrategy(StageStrategy):
         model: nn.Module,
         make_optimizer: OptimizerFactory,
         group: Group,
-        reducer: Reducer,
+        reducer: SparseUpdateReducer,
         *,
         bucket_mb: float,
         first_bucket_mb: float,
     ) -> None:
         self.name = name
+        self.sparse = reducer  # (the stage prepares it: a sketching reducer's tables built and agreed)
         super().__init__(
             model, make_optimizer, group, reducer, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb
         )
-        if isinstance(reducer, SketchingReducer):  # hash tables built and agreed on now
-            reducer.prepare(self.stage.units, group.unchecked())
-        if isinstance(reducer, SparseUpdateReducer):  # its compression time, in the step breakdown
-            self.clock.timings = reducer.timings
 
     def hparams(self) -> dict[str, Any]:
-        opts = getattr(self.stage.reducer, "options", None)
-        return {**super().hparams(), **(opts() if callable(opts) else {})}
+        return {**super().hparams(), **self.sparse.options()}
 
     def extra_state(self) -> dict[str, Any]:
         # a checkpoint of another world size is refused before anything loads (digest.check_checkpoint)
@@ -72,9 +66,8 @@ class SparseStageStrategy(StageStrategy):
 
     def report(self) -> dict[str, Any]:
         out = super().report()
-        t = getattr(self.stage.reducer, "timings", None)
-        if t is not None:
-            out["timings"] = {"compress_s": t.compress_s, "decompress_s": t.decompress_s, "units": t.units}
+        t = self.sparse.timings
+        out["timings"] = {"compress_s": t.compress_s, "decompress_s": t.decompress_s, "units": t.units}
         return out
 
 

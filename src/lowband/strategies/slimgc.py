@@ -31,6 +31,7 @@ fp16 loss scaling is refused (:attr:`SlimGCStrategy.no_grad_scaler_reason`).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from torch import nn
 
 from lowband.comm.engine import issue_lane
 from lowband.comm.initial import broadcast_initial_state
-from lowband.compress.reducer import Timings, make_reducer
+from lowband.compress.reducer import make_reducer
 from lowband.compress.slimgc.backup import ModelBackup
 from lowband.compress.slimgc.pipeline import SlimGCReducer
 from lowband.compress.slimgc.table import parse_comm_threshold
@@ -46,6 +47,7 @@ from lowband.compress.specs import REDUCER_OPTIONS
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import Unit, parameter_names
+from lowband.optim.reduction import Reduction
 from lowband.optim.stage import GradientStage
 from lowband.options import Opt, Options, Rule
 from lowband.runtime import current, open_member_group
@@ -110,8 +112,9 @@ class SlimGCStrategy(ClockedStrategy):
             bestct_rule=bestct_rule,
         )
         self.stage = GradientStage(units, self.reducer, group=group, where=type(self).__name__)
-        # compression on the training thread: all of it inline, none of it offloaded
-        self.clock = StepClock(self.stage, Timings() if offload else inner.timings)
+        self.clock = StepClock(self.stage, self.reducer.timings)
+        #: seconds the training thread waited for rounds (non-overlapped communication and compression)
+        self.wait_s = 0.0
         self.params = [p for p in parameter_names(model) if p.requires_grad]  # the units' order
         self.backup: ModelBackup | None = None
         if backup:
@@ -119,7 +122,7 @@ class SlimGCStrategy(ClockedStrategy):
             optimizer = self.backup.global_optimizer
         else:
             optimizer = make_optimizer(model.parameters())
-        self._pending: int | None = None  # the round whose global step is due (backup)
+        self._pending: Reduction | None = None  # the round whose global step is due (backup)
         super().__init__(model, optimizer, group)
 
     # -- the training step -------------------------------------------------------------------------
@@ -140,34 +143,37 @@ class SlimGCStrategy(ClockedStrategy):
         return open_member_group(ctx, self.group, key, f"{self.group.name}/nonfinite")
 
     def apply_step(self) -> None:
-        step = self.stage.rounds
-        self.stage.wait()  # every unit handed to the reducer (launched or queued)
+        reduction = self.stage.hand_off()  # every unit handed to the reducer (launched or queued)
         self.check_nonfinite()  # the non-finite policy: every unit was checked before the reducer saw it
         if self.backup is None:
-            self.reducer.wait_round(step)  # the averages are in .grad
+            self._wait(reduction, into_grads=True)  # the averages are in .grad (reduced in place)
             self.clock.wait_done()
             self.optimizer.step()
             return
         self._global_step(mark=True)  # w(i) from the previous round, waited for only now
-        self._pending = step
+        self._pending = reduction
         self.backup.local_step()  # Eq. 8: the next step starts from w(i) - lr * own gradient
+
+    def _wait(self, reduction: Reduction, *, into_grads: bool = False) -> list[list[torch.Tensor]]:
+        t0 = time.perf_counter()
+        results = reduction.wait(into_grads=into_grads)
+        self.wait_s += time.perf_counter() - t0
+        return results
 
     def _global_step(self, *, mark: bool = False) -> None:
         if self._pending is None or self.backup is None:
             if mark:
                 self.clock.wait_done()
             return
-        results = self.reducer.wait_round(self._pending)
+        results = self._wait(self._pending)
         if mark:
             self.clock.wait_done()
         self._pending = None
         self.backup.global_step([results[i][0] for i in range(len(self.params))])
 
     def synchronize(self) -> None:
-        self.stage.wait()
-        for step in self.reducer.pending_rounds():
-            if step != self._pending:
-                self.reducer.wait_round(step)
+        if self.stage.pending():  # a backward not stepped: its round completed (.grad, without backup)
+            self._wait(self.stage.hand_off(), into_grads=self.backup is None)
         self._global_step()
         self.executor.drain()
 
@@ -188,7 +194,7 @@ class SlimGCStrategy(ClockedStrategy):
         return {k: v for k, v in self.options.items() if v is not None}
 
     def report(self) -> dict[str, Any]:
-        return {"breakdown": self.clock.report(), "slimgc": self.reducer.report()}
+        return {"breakdown": self.clock.report(), "slimgc": {**self.reducer.report(), "wait_s": self.wait_s}}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume; completes the reduction in flight (and its global step) first."""
@@ -217,6 +223,8 @@ class SlimGCStrategy(ClockedStrategy):
             raise InvalidArgumentError(
                 f"{where}: the checkpoint's backup setting differs from this strategy's"
             )
+        if self._pending is not None:
+            raise InvalidArgumentError(f"{where}: a round is in flight (synchronize() first)")
         self.stage.load_state_dict(state["stage"])
         if self.backup is not None:
             self.backup.load_state_dict(state["backup"])

@@ -11,7 +11,6 @@ from typing import Any
 from torch import nn
 
 from lowband.comm.initial import broadcast_initial_state
-from lowband.compress.reducer import CompressedReducer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.reducer import AllreduceReducer, Reducer
@@ -50,9 +49,7 @@ class StageStrategy(ClockedStrategy):
         broadcast_initial_state(model, group=group)
         units = model_units(model, self.bucket_mb, self.first_bucket_mb)
         self.stage = GradientStage(units, reducer, group=group, where=where)
-        self.clock = StepClock(
-            self.stage, reducer.timings if isinstance(reducer, CompressedReducer) else None
-        )
+        self.clock = StepClock(self.stage, reducer.timings)
         super().__init__(model, make_optimizer(model.parameters()), group)
 
     def apply_step(self) -> None:

@@ -3,8 +3,14 @@ full precision according to the communication threshold.
 
 :class:`SlimGCReducer` is the :class:`~lowband.optim.Reducer` the gradient stage calls from its backward
 hooks (one unit per parameter tensor, in the stage's fixed launch order). It hands the unit to the
-:class:`~lowband.comm.engine.Lane` (the "executor") and returns a completed handle at once: for the
-stage the unit is handed over; the round's averaged gradients are collected by :meth:`wait_round`.
+:class:`~lowband.comm.engine.Lane` (the "executor") and returns at once a handle whose result is that
+unit's averaged gradients: a handle over its round's :class:`~lowband.comm.lane.Promise`, which the
+executor settles when the round's last unit has been processed and every operation of the round
+waited, in launch order (fused units complete only then). The strategy takes the round's handles from
+the stage (:meth:`GradientStage.hand_off <lowband.optim.stage.GradientStage.hand_off>`) and waits for
+them at the step (``.grad`` averaged in place), or, with the model backup (``copy_grads``: the
+reduction works on copies, ``.grad`` keeps this rank's gradient), a step later. Nothing else carries
+results: no side channel.
 On the executor (worker thread, or inline), per unit:
 
 - warm-up (``comm_threshold=auto``, the first ``pre_steps`` rounds): every unit is sent alone and
@@ -46,8 +52,8 @@ import torch
 
 from lowband.comm.collectives import broadcast
 from lowband.comm.fusion import igrouped_allreduce
-from lowband.comm.handle import Handle, completed
-from lowband.comm.lane import Lane
+from lowband.comm.handle import Handle
+from lowband.comm.lane import Lane, Promise
 from lowband.comm.reduce import allreduce
 from lowband.compress.reducer import CompressedReducer, flatten, segments, unflatten_into
 from lowband.compress.slimgc.table import (
@@ -68,13 +74,18 @@ Tensor = torch.Tensor
 @dataclass
 class _Round:
     step: int
-    received: int = 0
+    #: settled by the executor with ``results`` when the round is complete
+    promise: Promise
+    submitted: int = 0  # units handed to the executor (training thread)
+    received: int = 0  # units processed (executor)
     # (units, handle, fused): a compressed unit's handle returns its gradients, a fused one the flats
     launched: list[tuple[list[int], Handle[Any], bool]] = field(default_factory=list)
     fuse: list[tuple[int, Tensor]] = field(default_factory=list)  # (unit, compensated flat)
     fuse_bytes: int = 0
+    bufs: dict[int, list[Tensor]] = field(default_factory=dict)  # each unit's working tensors
+    #: what each unit's handle returns: its ``bufs`` once reduced, as the stage's own gradient tensors
+    #: when they share storage (reduced in place: nothing to copy back), else the copies (copy_grads)
     results: dict[int, list[Tensor]] = field(default_factory=dict)
-    done: bool = False
 
 
 class SlimGCReducer(Reducer):
@@ -110,12 +121,12 @@ class SlimGCReducer(Reducer):
         self.table: ThresholdTable | None = None
         self.threshold: float | None = threshold
         self.mask = compress_mask(self.sizes, threshold) if threshold is not None else []
-        self._rounds: dict[int, _Round] = {}
+        self._round: _Round | None = None  # the round the stage is launching (training thread)
         self._decision_due = threshold is None  # read and written on the training thread only
         #: the data's device (the units' parameters'): the decision's collectives run on the data group
         self.device = next((p.device for u in self.units for p in u.params), torch.device("cpu"))
-        #: seconds the training thread waited for rounds (non-overlapped communication and compression)
-        self.wait_s = 0.0
+        #: compression on the training thread, for the step clock: all of it inline, none offloaded
+        self.timings = None if executor.offload else inner.timings
 
     # -- the stage's side (training thread) --------------------------------------------------------
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
@@ -123,43 +134,40 @@ class SlimGCReducer(Reducer):
         if i is None:
             raise InvalidArgumentError(f"{type(self).__name__}: unit {unit.key!r} is not one of its units")
         step = ctx.step
-        rnd = self._rounds.get(step)
-        if rnd is None:
-            rnd = self._rounds[step] = _Round(step)
+        rnd = self._round
+        if rnd is None or rnd.step != step:
+            if rnd is not None and rnd.submitted < len(self.units):
+                raise InvalidArgumentError(
+                    f"{type(self).__name__}: round {step} began before round {rnd.step} handed over every unit"
+                )
+            rnd = self._round = _Round(step, self.executor.promise())
             if self._decision_due and step >= self.pre_steps:
                 self._decision_due = False
                 group = ctx.group
                 self.executor.submit(lambda: self._decide(group))
+        rnd.submitted += 1
         bufs = [g.detach().clone() for g in grads] if self.copy_grads else [g.detach() for g in grads]
-        self.executor.submit(lambda: self._process(rnd, i, bufs, ctx))
-        return completed(grads, op="slimgc", name=unit.key, rank=ctx.group.rank)
+        out = bufs if self.copy_grads else grads  # reduced in place: the stage's own tensors come back
+        self.executor.submit(lambda: self._process(rnd, i, bufs, out, ctx))
+        return rnd.promise.handle(lambda results: results[i], name=unit.key)
 
-    def wait_round(self, step: int) -> dict[int, list[Tensor]]:
-        """The averaged gradients of round ``step`` per unit index (bounded wait); the round is forgotten."""
-        rnd = self._rounds.get(step)
-        if rnd is None:
-            raise InvalidArgumentError(f"{type(self).__name__}: no reduction of round {step} was started")
-        t0 = time.perf_counter()
-        # the worker's own waits are bounded by the timeout each: leave it room to report their error
-        limit = 2 * self.executor.timeout
-        self.executor.wait_until(lambda: rnd.done, f"the gradient reduction of round {step}", limit)
-        self.wait_s += time.perf_counter() - t0
-        del self._rounds[step]
-        return rnd.results
-
-    def pending_rounds(self) -> list[int]:
-        return sorted(self._rounds)
+    def in_flight(self) -> bool:
+        """Whether a round has units not handed over yet, or operations not complete."""
+        rnd = self._round
+        return rnd is not None and not rnd.promise.done()
 
     # -- the executor's side -----------------------------------------------------------------------
-    def _process(self, rnd: _Round, i: int, bufs: list[Tensor], ctx: ReduceContext) -> None:
+    def _process(
+        self, rnd: _Round, i: int, bufs: list[Tensor], out: list[Tensor], ctx: ReduceContext
+    ) -> None:
         unit, step = self.units[i], rnd.step
+        rnd.bufs[i], rnd.results[i] = bufs, out  # every path below reduces into ``bufs``
         if self.threshold is None:
             self._probe(rnd, i, bufs, ctx)
         elif self.mask[i]:
             rnd.launched.append(([i], self.inner.reduce(unit, bufs, ReduceContext(ctx.group, step)), False))
         else:
             flat = self._full_precision(unit, bufs)
-            rnd.results[i] = bufs
             rnd.fuse.append((i, flat))
             rnd.fuse_bytes += flat.numel() * flat.element_size()
             if rnd.fuse_bytes >= self.fuse_bytes:
@@ -188,18 +196,17 @@ class SlimGCReducer(Reducer):
         rnd.fuse, rnd.fuse_bytes = [], 0
 
     def _finish(self, rnd: _Round, group: Group) -> None:
-        """End of a round: launch what is fused, then complete every op in launch order."""
+        """End of a round: launch what is fused, complete every op in launch order, settle the round."""
         self._flush(rnd, group)
         for idx, h, fused in rnd.launched:
             out = h.wait()
             if fused:
                 for i, flat in zip(idx, out):
-                    unflatten_into(flat, rnd.results[i])
+                    unflatten_into(flat, rnd.bufs[i])
             else:
-                rnd.results[idx[0]] = out
-        rnd.launched = []
-        rnd.done = True
-        self.executor.notify()
+                _into(rnd.bufs[idx[0]], out)
+        rnd.launched, rnd.bufs = [], {}
+        rnd.promise.set(rnd.results)
 
     def _probe(self, rnd: _Round, i: int, bufs: list[Tensor], ctx: ReduceContext) -> None:
         """A warm-up unit: sent alone and waited for, timed (see the module docstring)."""
@@ -209,7 +216,7 @@ class SlimGCReducer(Reducer):
             before = timings.compress_s + timings.decompress_s
             t0 = time.perf_counter()
             h: Handle[Any] = self.inner.reduce(unit, bufs, ReduceContext(ctx.group, step))
-            rnd.results[i] = h.wait()
+            _into(bufs, h.wait())
             total = time.perf_counter() - t0
             coding = timings.compress_s + timings.decompress_s - before
         else:
@@ -219,7 +226,6 @@ class SlimGCReducer(Reducer):
                 [flat], "average", inplace=True, name=f"slimgc-fp:{unit.key}", group=ctx.group
             )
             unflatten_into(h.wait()[0], bufs)
-            rnd.results[i] = bufs
             total, coding = time.perf_counter() - t0, 0.0
         assert self.samples is not None
         self.samples.add(step, i, total - coding, coding)
@@ -253,7 +259,6 @@ class SlimGCReducer(Reducer):
             "best_ct_bytes": _json_number(self.threshold),
             "compressed_units": sum(self.mask),
             "full_precision_units": len(self.mask) - sum(self.mask) if self.mask else None,
-            "wait_s": self.wait_s,
             "executor_busy_s": self.executor.busy_s,
             "compress_s": self.inner.timings.compress_s,
             "decompress_s": self.inner.timings.decompress_s,
@@ -278,8 +283,8 @@ class SlimGCReducer(Reducer):
         where = f"{type(self).__name__}.load_state_dict"
         if not isinstance(state, Mapping) or not {"inner", "threshold", "samples", "table"} <= set(state):
             raise InvalidArgumentError(f"{where}: expects 'inner', 'threshold', 'samples' and 'table'")
-        if self._rounds:
-            raise InvalidArgumentError(f"{where}: rounds {sorted(self._rounds)} are in flight")
+        if self.in_flight():
+            raise InvalidArgumentError(f"{where}: a round is in flight")
         self.inner.load_state_dict(dict(state["inner"]))
         if self.samples is None:  # a fixed comm_threshold: this strategy's, not the checkpoint's
             return
@@ -295,6 +300,13 @@ class SlimGCReducer(Reducer):
 
     def __repr__(self) -> str:
         return f"SlimGCReducer({self.inner!r}, threshold={self.threshold})"
+
+
+def _into(bufs: list[Tensor], out: list[Tensor]) -> None:
+    """The compressed reducer's result in the unit's buffers (it reduces in place: usually nothing)."""
+    for b, r in zip(bufs, out, strict=True):
+        if r is not b:
+            b.copy_(r)
 
 
 def _json_number(x: float | None) -> float | str | None:
