@@ -15,7 +15,9 @@ So the only way to wait for many peers from one thread without closing connectio
 buffers, and to wait on a work only once its data is arriving.
 
 Polling: after a request the listener polls without sleeping (yielding the GIL) for :data:`SPIN_S`,
-then sleeps, doubling from :data:`FIRST_SLEEP_S` up to :data:`MAX_SLEEP_S` while nothing arrives. While
+then sleeps :data:`FIRST_SLEEP_S` between polls until :data:`WARM_S` after the request (a requester's
+next request usually comes within that), then doubles its sleep up to :data:`MAX_SLEEP_S` while
+nothing arrives. While
 it polls it counts as idle for :func:`lowband.teardown.join_threads` (it is blocked in no gloo wait);
 while it serves a request it does not.
 """
@@ -39,8 +41,9 @@ from lowband.teardown import busy, idle
 EMPTY = -1
 #: after a request, poll without sleeping this long
 SPIN_S = 300e-6
-#: then sleep this long, doubling while nothing arrives, up to MAX_SLEEP_S
+#: then sleep this long between polls until WARM_S after the request, then doubling up to MAX_SLEEP_S
 FIRST_SLEEP_S = 50e-6
+WARM_S = 5e-3
 MAX_SLEEP_S = 1e-3
 
 
@@ -128,9 +131,12 @@ class Listener:
                             self._take(slots, p, where)
                     last, sleep = time.monotonic(), 0.0
                     continue
-                # within SPIN_S of a request a sleep of 0 yields the GIL without a timer
-                if sleep or time.monotonic() - last >= SPIN_S:
-                    sleep = min(MAX_SLEEP_S, 2 * sleep if sleep else FIRST_SLEEP_S)
+                if sleep <= FIRST_SLEEP_S:  # still near the last request
+                    quiet = time.monotonic() - last
+                    # a sleep of 0 yields the GIL without a timer
+                    sleep = 0.0 if quiet < SPIN_S else FIRST_SLEEP_S if quiet < WARM_S else 2 * FIRST_SLEEP_S
+                else:
+                    sleep = min(MAX_SLEEP_S, 2 * sleep)
                 time.sleep(sleep)
 
     def _post(self, slots: dict[int, _Slot], p: int, where: str) -> None:
