@@ -118,10 +118,10 @@ def reference(
     return losses
 
 
-def check(name: str, got: list[float], want: list[float], where: str) -> None:
-    """Bit for bit, except ATC (to 1e-5 relative: float32, rounding as in lowband's own loop)."""
+def check(name: str, got: list[float], want: list[float], where: str, *, rounding: bool = False) -> None:
+    """Bit for bit, except ATC and ``rounding`` (to 1e-5 relative: float32 rounding)."""
     assert len(got) == len(want), f"{where}: {len(got)} losses, want {len(want)}"
-    if name in ROUNDING:
+    if name in ROUNDING or rounding:
         for i, (a, b) in enumerate(zip(got, want)):
             assert math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7), f"{where}: step {i}: {a} != {b}"
     else:
@@ -134,3 +134,24 @@ def without_replay(name: str, resumed: list[float], where: str) -> list[float]:
         return resumed
     assert len(resumed) > 1 and resumed[0] == resumed[1], f"{where}: the replay differs from the step"
     return resumed[1:]
+
+
+def hook_reference(compressor: str = "onebit", reducer: str = "twostage") -> list[float]:
+    """lowband's comm-hook route in a plain loop: torch DDP with ``lowband.ddp_comm_hook`` of the
+    compressed reducer, STEPS steps over this rank's batches."""
+    from lowband.compress.specs import build_reducer
+
+    model = Holder()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(*lowband.ddp_comm_hook(build_reducer(compressor, reducer), model))
+    opt = optimizer(ddp.parameters())
+    data = batches(lowband.rank())
+    losses = []
+    for k in range(STEPS):
+        x, y = data[k % EPOCH]
+        opt.zero_grad()
+        loss = loss_of(ddp(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
