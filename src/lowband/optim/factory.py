@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +44,7 @@ def instance_factory(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
     return make
 
 
-def _constructor_options(cls: type[torch.optim.Optimizer], defaults: dict[str, object]) -> dict[str, object]:
+def _constructor_options(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
     """``defaults`` less the keys ``cls``'s constructor does not take: an optimizer's ``defaults`` may hold
     more (torch's AdamW records ``decoupled_weight_decay``, which its constructor fixes and refuses)."""
     params = inspect.signature(cls.__init__).parameters
