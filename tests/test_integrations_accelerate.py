@@ -80,9 +80,10 @@ def _hooked(epochs: int, *, load: str | None = None, save: str | None = None) ->
     return losses
 
 
-def _every_case(folder: str) -> dict[str, dict[str, list[float]]]:
+def run_strategies(folder: str, names: list[str]) -> dict[str, dict[str, list[float]]]:
+    """The reference, 20 steps, the first epoch saved and one resumed, per strategy."""
     out: dict[str, dict[str, list[float]]] = {}
-    for name in fx.STRATEGIES:
+    for name in names:
         ckpt = str(Path(folder) / f"{name}-state")
         out[name] = {
             "ref": fx.reference(name, folder),
@@ -90,6 +91,11 @@ def _every_case(folder: str) -> dict[str, dict[str, list[float]]]:
             "first": _train(name, folder, 1, save=ckpt),
             "resumed": _train(name, folder, 1, load=ckpt),
         }
+    return out
+
+
+def _every_case(folder: str) -> dict[str, dict[str, list[float]]]:
+    out = run_strategies(folder, list(fx.STRATEGIES))
     out["accumulate"] = {
         "ref": fx.reference("compressed", folder, accumulate=2),
         "whole": _train("compressed", folder, 2, passes=2),
@@ -114,24 +120,21 @@ def _results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[st
     return _RESULTS["r"]
 
 
+def check_result(name: str, r: dict[str, list[float]], where: str) -> None:
+    strategy = "compressed" if name == "hook" else name
+    fx.check(strategy, r["whole"], r["ref"], f"{where}: 20 steps")
+    fx.check(strategy, r["first"], r["ref"][: fx.EPOCH], f"{where}: first epoch")
+    # the comm hook's resume to rounding: a DDP built anew buckets its first backward in parameter
+    # order, not in the order the uninterrupted run rebuilt its buckets to (each bucket's 1-bit scale
+    # then sums in another order; lowband's own ddp and powersgd strategies replay a forward for it)
+    resumed = r["ref"][fx.EPOCH :]
+    fx.check(strategy, r["resumed"], resumed, f"{where}: resumed from save_state", rounding=name == "hook")
+
+
 @pytest.mark.parametrize("name", [*fx.STRATEGIES, "hook"])
 def test_accelerate_trains_as_the_loop(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    strategy = "compressed" if name == "hook" else name
     for rank, res in enumerate(_results(tmp_path_factory)):
-        r = res[name]
-        where = f"accelerate {name} rank {rank}"
-        fx.check(strategy, r["whole"], r["ref"], f"{where}: 20 steps")
-        fx.check(strategy, r["first"], r["ref"][: fx.EPOCH], f"{where}: first epoch")
-        # the comm hook's resume to rounding: a DDP built anew buckets its first backward in parameter
-        # order, not in the order the uninterrupted run rebuilt its buckets to (each bucket's 1-bit scale
-        # then sums in another order; lowband's own ddp and powersgd strategies replay a forward for it)
-        fx.check(
-            strategy,
-            r["resumed"],
-            r["ref"][fx.EPOCH :],
-            f"{where}: resumed from save_state",
-            rounding=name == "hook",
-        )
+        check_result(name, res[name], f"accelerate {name} rank {rank}")
 
 
 def test_accelerate_gradient_accumulation(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -6,6 +6,7 @@ One launch of 2 processes runs every strategy (torch and Lightning imported once
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,10 @@ def _loader(rank: int) -> DataLoader[Any]:
 
 
 def _trainer(strategy: LowbandStrategy, epochs: int, **kwargs: Any) -> Any:
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE", lowband.size()))  # ranks per machine (lowband run)
     return pl.Trainer(
-        accelerator="cpu", devices=lowband.size(), strategy=strategy, max_epochs=epochs,
+        accelerator="cpu", devices=devices, num_nodes=lowband.size() // devices, strategy=strategy,
+        max_epochs=epochs,
         use_distributed_sampler=False, enable_checkpointing=False, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
     )  # fmt: skip
@@ -72,10 +75,11 @@ def _fit(name: str, folder: str, epochs: int, ckpt: str | None = None, **kwargs:
     return model
 
 
-def _every_strategy(folder: str) -> dict[str, dict[str, list[float]]]:
+def run_strategies(folder: str, names: list[str]) -> dict[str, dict[str, list[float]]]:
+    """The reference, a fit of 20 steps, a fit of the first epoch saved and one resumed, per strategy."""
     rank = lowband.rank()
     out: dict[str, dict[str, list[float]]] = {}
-    for name in fx.STRATEGIES:
+    for name in names:
         ref = fx.reference(name, folder)
         whole = _fit(name, folder, 2).losses
         # first epoch, saved; a fresh model and trainer resume the second
@@ -90,6 +94,11 @@ def _every_strategy(folder: str) -> dict[str, dict[str, list[float]]]:
         out[name] = {"ref": ref, "whole": whole, "first": model.losses, "resumed": resumed}
         assert strategy.lowband is not None
         strategy.lowband.close()
+    return out
+
+
+def _every_strategy(folder: str) -> dict[str, dict[str, list[float]]]:
+    out = run_strategies(folder, list(fx.STRATEGIES))
     # manual optimisation; Lightning's accumulation, clipping and bf16 precision plugin
     out["manual"] = {"ref": out["powersgd"]["ref"], "whole": _fit("powersgd", folder, 2, manual=True).losses}
     out["accumulate"] = {
@@ -117,15 +126,17 @@ def _results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[st
     return _RESULTS["r"]
 
 
+def check_result(name: str, r: dict[str, list[float]], where: str) -> None:
+    fx.check(name, r["whole"], r["ref"], f"{where}: fit of 20 steps")
+    fx.check(name, r["first"], r["ref"][: fx.EPOCH], f"{where}: first epoch")
+    resumed = fx.without_replay(name, r["resumed"], where)
+    fx.check(name, resumed, r["ref"][fx.EPOCH :], f"{where}: resumed from Trainer.save_checkpoint")
+
+
 @pytest.mark.parametrize("name", list(fx.STRATEGIES))
 def test_lightning_trains_as_the_loop(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     for rank, res in enumerate(_results(tmp_path_factory)):
-        r = res[name]
-        where = f"lightning {name} rank {rank}"
-        fx.check(name, r["whole"], r["ref"], f"{where}: fit of 20 steps")
-        fx.check(name, r["first"], r["ref"][: fx.EPOCH], f"{where}: first epoch")
-        resumed = fx.without_replay(name, r["resumed"], where)
-        fx.check(name, resumed, r["ref"][fx.EPOCH :], f"{where}: resumed from Trainer.save_checkpoint")
+        check_result(name, res[name], f"lightning {name} rank {rank}")
 
 
 @pytest.mark.parametrize(

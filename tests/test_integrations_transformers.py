@@ -132,9 +132,10 @@ def reference(name: str, folder: str) -> list[float]:
     return losses
 
 
-def _every_strategy(folder: str) -> dict[str, dict[str, list[float]]]:
+def run_strategies(folder: str, names: list[str]) -> dict[str, dict[str, list[float]]]:
+    """The reference, 20 steps, the first epoch saved and one resumed, per strategy."""
     out: dict[str, dict[str, list[float]]] = {}
-    for name in fx.STRATEGIES:
+    for name in names:
         ref = reference(name, folder)
         whole = _train(name, folder, 2)
         first = _train(name, folder, 1, save=True)
@@ -143,6 +144,10 @@ def _every_strategy(folder: str) -> dict[str, dict[str, list[float]]]:
         resumed = _train(name, folder, 2, resume=ckpt)
         out[name] = {"ref": ref, "whole": whole, "first": first, "resumed": resumed}
     return out
+
+
+def _every_strategy(folder: str) -> dict[str, dict[str, list[float]]]:
+    return run_strategies(folder, list(fx.STRATEGIES))
 
 
 _RESULTS: dict[str, list[dict[str, dict[str, list[float]]]]] = {}
@@ -155,20 +160,18 @@ def _results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[st
     return _RESULTS["r"]
 
 
+def check_result(name: str, r: dict[str, list[float]], where: str) -> None:
+    fx.check(name, r["whole"], r["ref"], f"{where}: 20 steps", rounding=True)
+    fx.check(name, r["first"], r["ref"][: fx.EPOCH], f"{where}: first epoch", rounding=True)
+    fx.check(name, r["resumed"], r["ref"][fx.EPOCH :], f"{where}: resumed from the checkpoint", rounding=True)
+    # the Trainer against itself: the resumed run continues the uninterrupted one exactly
+    assert r["first"] + r["resumed"] == r["whole"], f"{where}: the resumed Trainer differs from the whole run"
+
+
 @pytest.mark.parametrize("name", list(fx.STRATEGIES))
 def test_trainer_trains_gpt2_as_the_loop(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     for rank, res in enumerate(_results(tmp_path_factory)):
-        r = res[name]
-        where = f"transformers {name} rank {rank}"
-        fx.check(name, r["whole"], r["ref"], f"{where}: 20 steps", rounding=True)
-        fx.check(name, r["first"], r["ref"][: fx.EPOCH], f"{where}: first epoch", rounding=True)
-        fx.check(
-            name, r["resumed"], r["ref"][fx.EPOCH :], f"{where}: resumed from the checkpoint", rounding=True
-        )
-        # the Trainer against itself: the resumed run continues the uninterrupted one exactly
-        assert r["first"] + r["resumed"] == r["whole"], (
-            f"{where}: the resumed Trainer differs from the whole run"
-        )
+        check_result(name, res[name], f"transformers {name} rank {rank}")
 
 
 def test_trainer_checks_its_strategy_first() -> None:
