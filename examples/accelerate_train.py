@@ -1,9 +1,10 @@
 """Accelerate with a lowband strategy: an MLP on scikit-learn's digits, Accelerate's data loader,
 autocast and checkpoints, lowband's loop.
 
-    lowband run -n 2 examples/accelerate_train.py --strategy dreamddp:period=5     # + --rate 100mbit
+    lowband run -n 2 examples/accelerate_train.py --strategy localsgd:period=5     # + --rate 100mbit
     torchrun --nproc-per-node 2 examples/accelerate_train.py
-    accelerate launch --cpu --num_processes 2 examples/accelerate_train.py
+    accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py   # torchrun inside; CPU ranks here
+    (`accelerate launch --cpu` starts one process)
 
 ``--hook COMPRESSOR:TRANSPORT`` (e.g. ``onebit:twostage``) takes the comm-hook route instead: Accelerate
 prepares the model (torch DDP) and its own loop runs, lowband's compressed reducer as the DDP comm hook.

@@ -2,7 +2,7 @@
 
 The transformers Trainer with a lowband strategy (``LowbandTrainer``)::
 
-    lowband run -n 2 examples/hf_gpt2.py --strategy dreamddp:period=5 --steps 50   # + --rate 100mbit
+    lowband run -n 2 examples/hf_gpt2.py --strategy localsgd:period=5 --steps 50   # + --rate 100mbit
     torchrun --nproc-per-node 2 examples/hf_gpt2.py --strategy powersgd
 
 A workload for ``lowband bench`` (every strategy side by side on the same GPT-2)::

@@ -2,7 +2,7 @@
 
 Launch it as any Lightning script (the Trainer's ``devices`` must match the ranks per machine)::
 
-    lowband run -n 2 examples/lightning_train.py --strategy dreamddp:period=5      # + --rate 100mbit
+    lowband run -n 2 examples/lightning_train.py --strategy localsgd:period=5      # + --rate 100mbit
     torchrun --nproc-per-node 2 examples/lightning_train.py --strategy powersgd
     python examples/lightning_train.py --devices 2                               # Lightning's launcher
 

@@ -54,15 +54,19 @@ class LitNet(pl.LightningModule):
         return fx.optimizer(self.parameters())
 
 
-def _loader(rank: int) -> DataLoader[Any]:
+def loader(rank: int) -> DataLoader[Any]:
     return DataLoader(TensorDataset(*fx.rank_data(rank)), batch_size=fx.BATCH, shuffle=False)
 
 
-def _trainer(strategy: LowbandStrategy, epochs: int, **kwargs: Any) -> Any:
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE", lowband.size()))  # ranks per machine (lowband run)
+def trainer(strategy: LowbandStrategy, epochs: int, devices: int | None = None, **kwargs: Any) -> Any:
+    """A Trainer of ``devices`` ranks on one machine (given: Lightning's own launcher starts them), else of
+    the launcher's ranks (torchrun, lowband run: ranks per machine and machines from the environment)."""
+    nodes = 1
+    if devices is None:
+        devices = int(os.environ.get("LOCAL_WORLD_SIZE", lowband.size()))
+        nodes = lowband.size() // devices
     return pl.Trainer(
-        accelerator="cpu", devices=devices, num_nodes=lowband.size() // devices, strategy=strategy,
-        max_epochs=epochs,
+        accelerator="cpu", devices=devices, num_nodes=nodes, strategy=strategy, max_epochs=epochs,
         use_distributed_sampler=False, enable_checkpointing=False, logger=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
     )  # fmt: skip
@@ -71,7 +75,7 @@ def _trainer(strategy: LowbandStrategy, epochs: int, **kwargs: Any) -> Any:
 def _fit(name: str, folder: str, epochs: int, ckpt: str | None = None, **kwargs: Any) -> LitNet:
     model = LitNet(manual=kwargs.pop("manual", False))
     strategy = LowbandStrategy(name, **fx.options(name, folder))
-    _trainer(strategy, epochs, **kwargs).fit(model, _loader(lowband.rank()), ckpt_path=ckpt)
+    trainer(strategy, epochs, **kwargs).fit(model, loader(lowband.rank()), ckpt_path=ckpt)
     return model
 
 
@@ -85,10 +89,10 @@ def run_strategies(folder: str, names: list[str]) -> dict[str, dict[str, list[fl
         # first epoch, saved; a fresh model and trainer resume the second
         model = LitNet()
         strategy = LowbandStrategy(name, **fx.options(name, folder))
-        trainer = _trainer(strategy, 1)
-        trainer.fit(model, _loader(rank))
+        tr = trainer(strategy, 1)
+        tr.fit(model, loader(rank))
         ckpt = str(Path(folder) / f"{name}.ckpt")
-        trainer.save_checkpoint(ckpt)
+        tr.save_checkpoint(ckpt)
         assert rank_file(strategy_folder(ckpt), rank, lowband.size()).is_file()
         resumed = _fit(name, folder, 2, ckpt=ckpt).losses
         out[name] = {"ref": ref, "whole": whole, "first": model.losses, "resumed": resumed}

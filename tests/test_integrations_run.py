@@ -1,7 +1,8 @@
-"""Each integration under ``lowband run --rate`` on the testbed (root and link shaping needed, skipped
-otherwise; marked slow): 2 ranks behind emulated 100 Mbit/s links train one strategy through Lightning,
-Accelerate and the transformers Trainer, with the same checks as the in-process tests against lowband's
-own loop (tests/_integration_run_script.py, each rank writing its loss sequences)."""
+"""The integrations under launchers (marked slow): each under ``lowband run --rate`` on the testbed (root
+and link shaping needed, skipped otherwise: 2 ranks behind emulated 100 Mbit/s links train one strategy
+through Lightning, Accelerate and the transformers Trainer), Lightning under its own launcher and
+Accelerate under ``accelerate launch``; the same checks as the in-process tests against lowband's own
+loop (tests/_integration_run_script.py, each rank writing its loss sequences)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ from lowband.testbed import shaping_available
 
 TESTS = Path(__file__).parent
 _OK, _WHY = shaping_available()
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not _OK, reason=f"link shaping unavailable here: {_WHY}")]
+pytestmark = pytest.mark.slow
+shaped = pytest.mark.skipif(not _OK, reason=f"link shaping unavailable here: {_WHY}")
+no_shaping = pytest.mark.timeout(360)
 ENV = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
 
 #: one strategy per framework: a DDP comm hook, a gradient stage, a sharded embedding
 CASES = [("lightning", "powersgd"), ("accelerate", "compressed"), ("transformers", "embrace")]
 
 
+@shaped
 @pytest.mark.parametrize("framework,name", CASES)
 def test_integration_under_lowband_run_on_shaped_links(framework: str, name: str, tmp_path: Path) -> None:
     pytest.importorskip({"lightning": "lightning.pytorch"}.get(framework, framework))
@@ -37,3 +41,39 @@ def test_integration_under_lowband_run_on_shaped_links(framework: str, name: str
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         module.check_result(name, res[name], f"{framework} {name} rank {rank} under lowband run --rate")
+
+
+def _launched(cmd: list[str], tmp_path: Path) -> list[dict[str, dict[str, list[float]]]]:
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@no_shaping
+def test_lightning_under_its_own_launcher(tmp_path: Path) -> None:
+    """``python script.py`` with ``Trainer(devices=2)``: Lightning starts the second rank itself."""
+    pytest.importorskip("lightning.pytorch")
+    script = str(TESTS / "_integration_run_script.py")
+    for rank, res in enumerate(
+        _launched([sys.executable, script, "lightning-launcher", str(tmp_path), "powersgd"], tmp_path)
+    ):
+        import integration_fixtures as fx
+
+        fx.check(
+            "powersgd", res["powersgd"]["whole"], res["powersgd"]["ref"], f"lightning's launcher, rank {rank}"
+        )
+
+
+@no_shaping
+def test_accelerate_under_accelerate_launch(tmp_path: Path) -> None:
+    """``accelerate launch --multi_gpu --num_processes 2`` (torchrun inside; ``--cpu`` would start one
+    process) with ``Accelerator(cpu=True)`` in the script: CPU ranks on gloo."""
+    pytest.importorskip("accelerate")
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    script = [str(TESTS / "_integration_run_script.py"), "accelerate", str(tmp_path), "compressed"]
+    sys.path.insert(0, str(TESTS))
+    import test_integrations_accelerate as t
+
+    for rank, res in enumerate(_launched([*launcher, *script], tmp_path)):
+        t.check_result("compressed", res["compressed"], f"accelerate launch, rank {rank}")
