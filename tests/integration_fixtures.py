@@ -92,16 +92,29 @@ def options(name: str, folder: str) -> dict[str, Any]:
     return opts
 
 
+def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """The learning-rate schedule of the scheduler tests: halved every 3 steps."""
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+
 def reference(
-    name: str, folder: str, *, accumulate: int = 1, clip: float | None = None, bf16: bool = False
+    name: str,
+    folder: str,
+    *,
+    accumulate: int = 1,
+    clip: float | None = None,
+    bf16: bool = False,
+    scheduled: bool = False,
 ) -> list[float]:
     """lowband's own loop: STEPS passes over this rank's batches (EPOCH per epoch), the losses; with
     ``accumulate=J`` a step every J passes, ``clip`` the norm clipped to before each step, ``bf16`` the
-    forward and loss under CPU bf16 autocast."""
+    forward and loss under CPU bf16 autocast, ``scheduled`` :func:`step_lr` on the strategy's optimizer,
+    stepped after every step."""
     rank = lowband.rank()
     model = Holder()
     extra = {"accumulate": accumulate} if accumulate > 1 else {}
     s = make_strategy(name, model, optimizer, **options(name, folder), **extra)
+    schedule = step_lr(s.optimizer) if scheduled else None
     data = batches(rank)
     losses = []
     for k in range(STEPS):
@@ -113,6 +126,8 @@ def reference(
         if clip is not None:
             s.clip_grad_norm_(clip)
         s.step()
+        if schedule is not None:
+            schedule.step()
         losses.append(float(loss.detach()))
     s.close()
     return losses

@@ -29,11 +29,12 @@ from lowband.testing import run_processes  # noqa: E402
 class LitNet(pl.LightningModule):
     """The fixtures' Net as a LightningModule; records every training step's loss."""
 
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, scheduled: bool = False) -> None:
         super().__init__()
         self.net = fx.init_net(fx.Net())
         self.losses: list[float] = []
         self.automatic_optimization = not manual
+        self.scheduled = scheduled
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)  # type: ignore[no-any-return]
@@ -50,8 +51,11 @@ class LitNet(pl.LightningModule):
         opt.step()  # type: ignore[union-attr]
         return None
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return fx.optimizer(self.parameters())
+    def configure_optimizers(self) -> Any:
+        opt = fx.optimizer(self.parameters())
+        if not self.scheduled:
+            return opt
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": fx.step_lr(opt), "interval": "step"}}
 
 
 def loader(rank: int) -> DataLoader[Any]:
@@ -73,28 +77,31 @@ def trainer(strategy: LowbandStrategy, epochs: int, devices: int | None = None, 
 
 
 def _fit(name: str, folder: str, epochs: int, ckpt: str | None = None, **kwargs: Any) -> LitNet:
-    model = LitNet(manual=kwargs.pop("manual", False))
+    model = LitNet(manual=kwargs.pop("manual", False), scheduled=kwargs.pop("scheduled", False))
     strategy = LowbandStrategy(name, **fx.options(name, folder))
     trainer(strategy, epochs, **kwargs).fit(model, loader(lowband.rank()), ckpt_path=ckpt)
     return model
 
 
-def run_strategies(folder: str, names: list[str]) -> dict[str, dict[str, list[float]]]:
-    """The reference, a fit of 20 steps, a fit of the first epoch saved and one resumed, per strategy."""
+def run_strategies(
+    folder: str, names: list[str], scheduled: bool = False
+) -> dict[str, dict[str, list[float]]]:
+    """The reference, a fit of 20 steps, a fit of the first epoch saved and one resumed, per strategy
+    (``scheduled``: with fx.step_lr stepped every step)."""
     rank = lowband.rank()
     out: dict[str, dict[str, list[float]]] = {}
     for name in names:
-        ref = fx.reference(name, folder)
-        whole = _fit(name, folder, 2).losses
+        ref = fx.reference(name, folder, scheduled=scheduled)
+        whole = _fit(name, folder, 2, scheduled=scheduled).losses
         # first epoch, saved; a fresh model and trainer resume the second
-        model = LitNet()
+        model = LitNet(scheduled=scheduled)
         strategy = LowbandStrategy(name, **fx.options(name, folder))
         tr = trainer(strategy, 1)
         tr.fit(model, loader(rank))
-        ckpt = str(Path(folder) / f"{name}.ckpt")
+        ckpt = str(Path(folder) / f"{name}{'-scheduled' if scheduled else ''}.ckpt")
         tr.save_checkpoint(ckpt)
         assert rank_file(strategy_folder(ckpt), rank, lowband.size()).is_file()
-        resumed = _fit(name, folder, 2, ckpt=ckpt).losses
+        resumed = _fit(name, folder, 2, ckpt=ckpt, scheduled=scheduled).losses
         out[name] = {"ref": ref, "whole": whole, "first": model.losses, "resumed": resumed}
         assert strategy.lowband is not None
         strategy.lowband.close()
@@ -103,6 +110,8 @@ def run_strategies(folder: str, names: list[str]) -> dict[str, dict[str, list[fl
 
 def _every_strategy(folder: str) -> dict[str, dict[str, list[float]]]:
     out = run_strategies(folder, list(fx.STRATEGIES))
+    # a learning-rate scheduler on a strategy that regroups the parameters (one group per layer)
+    out["scheduled"] = run_strategies(folder, ["atc"], scheduled=True)["atc"]
     # manual optimisation; Lightning's accumulation, clipping and bf16 precision plugin
     out["manual"] = {"ref": out["powersgd"]["ref"], "whole": _fit("powersgd", folder, 2, manual=True).losses}
     out["accumulate"] = {
@@ -154,6 +163,15 @@ def test_lightning_options_map_onto_the_loop(
     as the loop does with accumulate=2, s.clip_grad_norm_ and the forward under bf16 autocast."""
     for rank, res in enumerate(_results(tmp_path_factory)):
         fx.check(name, res[case]["whole"], res[case]["ref"], f"lightning {case} ({name}) rank {rank}")
+
+
+def test_lightning_lr_scheduler_drives_the_strategy_optimizer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """StepLR from configure_optimizers (interval "step") on atc, whose optimizer has one group per layer,
+    trains as the loop with StepLR on the strategy's optimizer, and resumes with its state."""
+    for rank, res in enumerate(_results(tmp_path_factory)):
+        check_result("atc", res["scheduled"], f"lightning scheduled atc rank {rank}")
 
 
 def test_lightning_strategy_checks_its_options_first() -> None:

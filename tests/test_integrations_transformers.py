@@ -91,13 +91,25 @@ class Recording(LowbandTrainer):
         return loss
 
 
+#: the scheduled runs' warm-up: the learning rate rises over the first WARMUP steps, across the resume
+WARMUP = 15
+
+
 def _train(
-    name: str, folder: str, epochs: int, *, save: bool = False, resume: str | None = None
+    name: str,
+    folder: str,
+    epochs: int,
+    *,
+    save: bool = False,
+    resume: str | None = None,
+    scheduled: bool = False,
 ) -> list[float]:
     model = gpt2()
+    schedule = {"lr_scheduler_type": "constant_with_warmup", "warmup_steps": WARMUP} if scheduled else {}
     args = transformers.TrainingArguments(
-        output_dir=str(Path(folder) / f"{name}-run"), per_device_train_batch_size=BATCH,
-        num_train_epochs=epochs, learning_rate=fx.LR, lr_scheduler_type="constant", max_grad_norm=0.0,
+        output_dir=str(Path(folder) / f"{name}{'-scheduled' if scheduled else ''}-run"),
+        per_device_train_batch_size=BATCH, num_train_epochs=epochs, learning_rate=fx.LR,
+        **({"lr_scheduler_type": "constant"} | schedule), max_grad_norm=0.0,
         average_tokens_across_devices=False, save_strategy="epoch" if save else "no",
         logging_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True, seed=0,
     )  # fmt: skip
@@ -113,12 +125,13 @@ def _train(
     return trainer.losses
 
 
-def reference(name: str, folder: str) -> list[float]:
+def reference(name: str, folder: str, scheduled: bool = False) -> list[float]:
     """lowband's own loop on the same GPT-2 and batches (the loss over the shifted labels summed and
     divided by the batch's label count, as the Trainer has the model compute it: this Trainer counts
-    every label, BATCH * SEQ)."""
+    every label, BATCH * SEQ); ``scheduled``: transformers' warm-up schedule on the strategy's optimizer."""
     model = gpt2()
     s = make_strategy(name, model, fx.optimizer, **options(name, folder))
+    schedule = transformers.get_constant_schedule_with_warmup(s.optimizer, WARMUP) if scheduled else None
     data = tokens(lowband.rank())
     losses = []
     for k in range(fx.STEPS):
@@ -127,27 +140,36 @@ def reference(name: str, folder: str) -> list[float]:
         loss = s.module(input_ids=x, labels=x, num_items_in_batch=torch.tensor(BATCH * SEQ)).loss
         s.backward(loss)
         s.step()
+        if schedule is not None:
+            schedule.step()
         losses.append(float(loss.detach()))
     s.close()
     return losses
 
 
-def run_strategies(folder: str, names: list[str]) -> dict[str, dict[str, list[float]]]:
+def run_strategies(
+    folder: str, names: list[str], scheduled: bool = False
+) -> dict[str, dict[str, list[float]]]:
     """The reference, 20 steps, the first epoch saved and one resumed, per strategy."""
     out: dict[str, dict[str, list[float]]] = {}
     for name in names:
-        ref = reference(name, folder)
-        whole = _train(name, folder, 2)
-        first = _train(name, folder, 1, save=True)
-        ckpt = str(Path(folder) / f"{name}-run" / f"checkpoint-{fx.EPOCH}")
+        ref = reference(name, folder, scheduled)
+        whole = _train(name, folder, 2, scheduled=scheduled)
+        first = _train(name, folder, 1, save=True, scheduled=scheduled)
+        run = f"{name}{'-scheduled' if scheduled else ''}-run"
+        ckpt = str(Path(folder) / run / f"checkpoint-{fx.EPOCH}")
         assert rank_file(Path(ckpt) / FOLDER, lowband.rank(), lowband.size()).is_file()
-        resumed = _train(name, folder, 2, resume=ckpt)
+        resumed = _train(name, folder, 2, resume=ckpt, scheduled=scheduled)
         out[name] = {"ref": ref, "whole": whole, "first": first, "resumed": resumed}
     return out
 
 
 def _every_strategy(folder: str) -> dict[str, dict[str, list[float]]]:
-    return run_strategies(folder, list(fx.STRATEGIES))
+    out = run_strategies(folder, list(fx.STRATEGIES))
+    # the Trainer's own scheduler (a warm-up across the resume) on a torch optimizer and a layerwise one
+    for name, r in run_strategies(folder, ["powersgd", "atc"], scheduled=True).items():
+        out[f"scheduled-{name}"] = r
+    return out
 
 
 _RESULTS: dict[str, list[dict[str, dict[str, list[float]]]]] = {}
@@ -172,6 +194,14 @@ def check_result(name: str, r: dict[str, list[float]], where: str) -> None:
 def test_trainer_trains_gpt2_as_the_loop(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
     for rank, res in enumerate(_results(tmp_path_factory)):
         check_result(name, res[name], f"transformers {name} rank {rank}")
+
+
+@pytest.mark.parametrize("name", ["powersgd", "atc"])
+def test_trainer_scheduler_drives_the_strategy(name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """lr_scheduler_type="constant_with_warmup" (15 steps, across the resume at 10) trains as the loop
+    with transformers' schedule on the strategy's optimizer; the resumed run continues it exactly."""
+    for rank, res in enumerate(_results(tmp_path_factory)):
+        check_result(name, res[f"scheduled-{name}"], f"transformers scheduled {name} rank {rank}")
 
 
 def test_trainer_checks_its_strategy_first() -> None:

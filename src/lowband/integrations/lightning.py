@@ -25,9 +25,10 @@ strategy protocol (:mod:`lowband.strategies.base`):
   rank's own (``s.load``), so replicas that differ (local SGD, DreamDDP, ATC, error feedback, table
   shards) resume as they were.
 
-Refused with one clear error: several optimizers, learning-rate schedulers (the strategy rebuilds the
-optimizer on the parameters it steps), ``gradient_clip_algorithm="value"``, backward arguments. In
-manual optimisation clip with ``trainer.strategy.clip_grad_norm_(max_norm)``.
+Learning-rate schedulers built in ``configure_optimizers`` drive the optimizer the strategy rebuilt
+(:func:`repoint_scheduler`: per-group lists such as ``lr_lambdas`` must be one value for every group).
+Refused with one clear error: several optimizers, ``gradient_clip_algorithm="value"``, backward
+arguments. In manual optimisation clip with ``trainer.strategy.clip_grad_norm_(max_norm)``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,36 @@ def _forward_as(module: nn.Module, method: Callable[..., Any]) -> Iterator[None]
         module.forward = original  # type: ignore[method-assign]
 
 
+#: per-group lists a scheduler may hold besides ``base_lrs`` (each must be one value for every group)
+_PER_GROUP = ("lr_lambdas", "min_lrs")
+
+
+def repoint_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, where: str) -> None:
+    """Make ``scheduler`` (built in ``configure_optimizers`` on the user's optimizer) drive ``optimizer``,
+    which the strategy rebuilt from it: each new group carries the options of the group its parameters
+    came from, ``initial_lr`` included (:func:`lowband.optim.factory.instance_factory`), so the base
+    learning rates are the new groups'; a per-group list (``lr_lambdas``, ``min_lrs``) must hold one value
+    for every group (the new groups may be more: one per layer for strategies stepping in backward)."""
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise InvalidArgumentError(f"{where}: a {type(scheduler).__name__} scheduler is not supported")
+    groups = optimizer.param_groups
+    if any("initial_lr" not in g for g in groups):
+        raise InvalidArgumentError(f"{where}: the scheduler's optimizer groups carry no initial_lr")
+    for attr in _PER_GROUP:
+        values = getattr(scheduler, attr, None)
+        if values is None:
+            continue
+        if any(v is not values[0] and v != values[0] for v in values):
+            raise InvalidArgumentError(
+                f"{where}: {type(scheduler).__name__}.{attr} differs between parameter groups; the strategy "
+                "regroups the parameters, so give one value for every group"
+            )
+        setattr(scheduler, attr, [values[0]] * len(groups))
+    scheduler.optimizer = optimizer
+    scheduler.base_lrs = [g["initial_lr"] for g in groups]
+    scheduler._last_lr = [g["lr"] for g in groups]
+
+
 class LowbandStrategy(DDPStrategy):
     """A lowband strategy (``name``, ``**options`` as :func:`lowband.strategies.make_strategy` takes
     them) as Lightning's strategy (module docstring). Launched by Lightning's own launcher
@@ -107,11 +138,6 @@ class LowbandStrategy(DDPStrategy):
             raise InvalidArgumentError(
                 f"{where}: configure_optimizers must return one optimizer, got {len(self.optimizers)}"
             )
-        if trainer.lr_scheduler_configs:
-            raise InvalidArgumentError(
-                f"{where}: learning-rate schedulers are not supported (the strategy rebuilds the optimizer "
-                "on the parameters it steps); return the optimizer alone"
-            )
         options = dict(self.lowband_options)
         passes = trainer.accumulate_grad_batches
         if lm.automatic_optimization and passes > 1 and options.setdefault("accumulate", passes) != passes:
@@ -129,6 +155,8 @@ class LowbandStrategy(DDPStrategy):
         self.lowband = s
         self.model = s.module
         self.optimizers = [s.optimizer]
+        for config in trainer.lr_scheduler_configs:  # built on the optimizer the strategy rebuilt
+            repoint_scheduler(config.scheduler, s.optimizer, where)
 
     def _strategy(self) -> LoopStrategy:
         if self.lowband is None:

@@ -54,8 +54,11 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def __init__(self, strategy: Strategy) -> None:
         self.strategy = strategy
-        self.param_groups = strategy.optimizer.param_groups
         self.defaults = dict(strategy.optimizer.defaults)
+
+    @property  # the strategy's optimizer's, read each time: loading a state replaces torch's list
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.strategy.optimizer.param_groups
 
     @property
     def state(self) -> Any:  # type: ignore[override]
