@@ -1,7 +1,7 @@
 """Accelerate with a lowband strategy: an MLP on scikit-learn's digits, Accelerate's data loader,
 autocast and checkpoints, lowband's loop.
 
-    lowband run -n 2 examples/accelerate_train.py --strategy localsgd:period=5     # + --rate 100mbit
+    lowband run -n 2 examples/accelerate_train.py --strategy dreamddp:period=5     # + --rate 100mbit
     torchrun --nproc-per-node 2 examples/accelerate_train.py
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_train.py   # torchrun inside; CPU ranks here
     (`accelerate launch --cpu` starts one process)
@@ -26,7 +26,7 @@ from lowband.strategies import parse_strategy_spec
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategy", default="powersgd", help="a lowband strategy spec")
+    p.add_argument("--strategy", default="dreamddp:period=5", help="a lowband strategy spec")
     p.add_argument(
         "--hook", default=None, help="COMPRESSOR:TRANSPORT: the comm-hook route (e.g. onebit:twostage)"
     )

@@ -2,7 +2,7 @@
 
 The transformers Trainer with a lowband strategy (``LowbandTrainer``)::
 
-    lowband run -n 2 examples/hf_gpt2.py --strategy localsgd:period=5 --steps 50   # + --rate 100mbit
+    lowband run -n 2 examples/hf_gpt2.py --strategy dreamddp:period=5 --steps 50   # + --rate 100mbit
     torchrun --nproc-per-node 2 examples/hf_gpt2.py --strategy powersgd
 
 A workload for ``lowband bench`` (every strategy side by side on the same GPT-2)::
@@ -85,7 +85,7 @@ def main() -> None:
     from lowband.strategies import parse_strategy_spec
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategy", default="powersgd", help="a lowband strategy spec")
+    p.add_argument("--strategy", default="dreamddp:period=5", help="a lowband strategy spec")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--out", default="hf-gpt2-run", help="the Trainer's output folder (checkpoints)")
     args = p.parse_args()

@@ -2,7 +2,7 @@
 
 Launch it as any Lightning script (the Trainer's ``devices`` must match the ranks per machine)::
 
-    lowband run -n 2 examples/lightning_train.py --strategy localsgd:period=5      # + --rate 100mbit
+    lowband run -n 2 examples/lightning_train.py --strategy dreamddp:period=5      # + --rate 100mbit
     torchrun --nproc-per-node 2 examples/lightning_train.py --strategy powersgd
     python examples/lightning_train.py --devices 2                               # Lightning's launcher
 
@@ -46,7 +46,7 @@ class DigitsClassifier(pl.LightningModule):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategy", default="powersgd", help="a lowband strategy spec")
+    p.add_argument("--strategy", default="dreamddp:period=5", help="a lowband strategy spec")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--devices", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", "2")))
     p.add_argument("--ckpt", default="lightning.ckpt")

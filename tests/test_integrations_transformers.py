@@ -24,8 +24,6 @@ from torch.utils.data import Dataset, SequentialSampler  # noqa: E402
 import lowband  # noqa: E402
 from lowband.errors import InvalidArgumentError  # noqa: E402
 from lowband.integrations.transformers import FOLDER, LowbandTrainer  # noqa: E402
-from lowband.localsgd.schedule import Schedule  # noqa: E402
-from lowband.optim.layerwise import parameter_layers  # noqa: E402
 from lowband.strategies import make_strategy  # noqa: E402
 from lowband.strategies.checkpoint import rank_file  # noqa: E402
 from lowband.testing import run_processes  # noqa: E402
@@ -42,19 +40,6 @@ def gpt2() -> Any:
     torch.manual_seed(0)
     config._attn_implementation = "eager"
     return transformers.GPT2LMHeadModel(config).float()
-
-
-def options(name: str, folder: str) -> dict[str, Any]:
-    """integration_fixtures' options, but DreamDDP on GPT-2 follows a fixed schedule (half the layers
-    averaged in each iteration of its period of 2) instead of a measured profile: its profiler's
-    interference passes (backward while an allreduce is in flight) gave NaN gradients on this GPT-2 at 2
-    ranks, and the non-finite guard then refused the first step (measured 2026-11-27; lowband's
-    DreamDDP profiler, not this integration)."""
-    if name != "dreamddp":
-        return fx.options(name, folder)
-    n = len(parameter_layers(gpt2()))
-    sets = (tuple(range(n // 2)), tuple(range(n // 2, n)))
-    return {"period": 2, "schedule": Schedule(2, sets, "hand", 0.0, (0.0, 0.0))}
 
 
 def tokens(rank: int) -> list[torch.Tensor]:
@@ -116,7 +101,7 @@ def _train(
     trainer = Recording(
         model=model, args=args, train_dataset=Interleaved(lowband.size() if lowband.is_initialized() else 2),
         optimizers=(fx.optimizer(model.parameters()), None),
-        lowband_strategy=name, lowband_options=options(name, folder),
+        lowband_strategy=name, lowband_options=fx.options(name, folder),
     )  # fmt: skip
     trainer.losses = []
     trainer.train(resume_from_checkpoint=resume)
@@ -130,7 +115,7 @@ def reference(name: str, folder: str, scheduled: bool = False) -> list[float]:
     divided by the batch's label count, as the Trainer has the model compute it: this Trainer counts
     every label, BATCH * SEQ); ``scheduled``: transformers' warm-up schedule on the strategy's optimizer."""
     model = gpt2()
-    s = make_strategy(name, model, fx.optimizer, **options(name, folder))
+    s = make_strategy(name, model, fx.optimizer, **fx.options(name, folder))
     schedule = transformers.get_constant_schedule_with_warmup(s.optimizer, WARMUP) if scheduled else None
     data = tokens(lowband.rank())
     losses = []
