@@ -77,3 +77,33 @@ def test_accelerate_under_accelerate_launch(tmp_path: Path) -> None:
 
     for rank, res in enumerate(_launched([*launcher, *script], tmp_path)):
         t.check_result("compressed", res["compressed"], f"accelerate launch, rank {rank}")
+
+
+EXAMPLES = [
+    ("lightning_train.py", [], "lightning_train: dreamddp trained to loss"),
+    ("accelerate_train.py", ["--epochs", "1"], "accelerate_train: dreamddp(H=5) trained to loss"),
+    ("accelerate_train.py", ["--epochs", "1", "--hook", "onebit:twostage"], "DDP + onebit:twostage trained"),
+    ("hf_gpt2.py", ["--steps", "10"], "hf_gpt2: dreamddp trained 10 steps"),
+]
+
+
+@no_shaping
+@pytest.mark.parametrize(
+    "script,args,says", EXAMPLES, ids=["lightning", "accelerate", "accelerate-hook", "hf"]
+)
+def test_example_runs_under_lowband_run(script: str, args: list[str], says: str, tmp_path: Path) -> None:
+    """The examples as their docstrings launch them (``lowband run -n 2``, loopback), checkpoints included."""
+    example = TESTS.parent / "examples" / script
+    cmd = [sys.executable, "-m", "lowband.cli", "run", "-n", "2", str(example), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert says in out.stdout, out.stdout[-2000:]
+    saved = {
+        "lightning_train.py": "lightning.ckpt.lowband",
+        "hf_gpt2.py": "hf-gpt2-run/checkpoint-10/lowband",
+    }
+    folder = tmp_path / saved.get(script, "accelerate-state/lowband")
+    expected = (
+        {"rank0-of-2.pt", "rank1-of-2.pt"} if "--hook" not in args else {"hook-rank0.pt", "hook-rank1.pt"}
+    )
+    assert {p.name for p in folder.iterdir()} == expected
