@@ -374,3 +374,20 @@ def test_atc_apis_refuse_a_bad_topology_alike() -> None:
             "topology must be one of 'dynamic-exp2', 'exp2', 'full', 'inner-outer-exp2', 'ring' or a " in msg
         )
         assert "Topology or a DynamicTopology, got 'star'" in msg
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD, torch.optim.RMSprop])
+def test_optimizer_instance_of_any_torch_class_is_rebuilt(cls: type[torch.optim.Optimizer]) -> None:
+    """torch's AdamW records ``decoupled_weight_decay`` in its defaults but refuses it as an argument:
+    the rebuilt optimizer takes only what the constructor takes, and steps as the instance would."""
+    from lowband.optim.factory import instance_factory
+
+    a, b = _model(1), _model(1)
+    given = cls(a.parameters(), lr=0.01, weight_decay=0.1)
+    rebuilt = instance_factory(cls(b.parameters(), lr=0.01, weight_decay=0.1))(list(b.parameters()))
+    assert type(rebuilt) is cls
+    for opt, m in ((given, a), (rebuilt, b)):
+        for p in m.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))

@@ -107,6 +107,21 @@ def test_lr_scheduler_and_state_dict() -> None:
         lw2.load_state_dict({"layers": sd["layers"][:1]})
 
 
+def test_a_scheduler_built_before_a_load_drives_the_loaded_groups() -> None:
+    """torch's load_state_dict gives each inner optimizer new group dicts; a scheduler built on the
+    LayerwiseOptimizer before the load (as a resumed run builds it) still sets the learning rate the
+    layers step with."""
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    lw = LayerwiseOptimizer(parameter_layers(m), lambda ps: torch.optim.SGD(ps, lr=1.0))
+    sched = torch.optim.lr_scheduler.StepLR(lw, step_size=1, gamma=0.5)
+    state = {"layers": [o.state_dict() for o in lw.optimizers]}
+    state["layers"][0]["param_groups"][0]["lr"] = 0.25  # a saved run's rate
+    lw.load_state_dict(state)
+    assert lw.param_groups[0] is lw.optimizers[0].param_groups[0] and lw.param_groups[0]["lr"] == 0.25
+    sched.step()
+    assert [o.param_groups[0]["lr"] for o in lw.optimizers] == [0.125, 0.5]
+
+
 def test_errors() -> None:
     with pytest.raises(InvalidArgumentError, match="no trainable parameters"):
         LayerwiseOptimizer([], lambda ps: torch.optim.SGD(ps, lr=0.1))

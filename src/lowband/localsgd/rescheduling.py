@@ -202,6 +202,10 @@ class ScheduledStrategy(Strategy):
                 for p, old in zip(params, saved):
                     p.copy_(old)
             self.optimizer.load_state_dict(opt_state)
+            # the profile's passes are not steps: what the non-finite guard flagged in them (their
+            # repeated per-layer updates can diverge on a large loss) is not the first step's
+            if self.nonfinite is not None:
+                self.nonfinite.discard()
         self._refitted = False
         self._reschedule(prof, measure=True)
         self.profile_seconds = time.perf_counter() - t0

@@ -13,7 +13,9 @@ nothing else: an optimizer over other parameters would silently train nothing.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +30,7 @@ def instance_factory(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
     groups carry the options of the groups those parameters came from (parameters it does not hold get
     its ``defaults``). The given optimizer itself is left untouched."""
     cls = type(optimizer)
-    defaults = dict(optimizer.defaults)
+    defaults = _constructor_options(cls, optimizer.defaults)
     options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
 
@@ -40,6 +42,15 @@ def instance_factory(optimizer: torch.optim.Optimizer) -> OptimizerFactory:
         return cls(groups, **defaults)
 
     return make
+
+
+def _constructor_options(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` less the keys ``cls``'s constructor does not take: an optimizer's ``defaults`` may hold
+    more (torch's AdamW records ``decoupled_weight_decay``, which its constructor fixes and refuses)."""
+    params = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(defaults)
+    return {k: v for k, v in defaults.items() if k in params}
 
 
 def as_optimizer_factory(

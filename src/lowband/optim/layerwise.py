@@ -214,6 +214,9 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             )
         for opt, st in zip(self.optimizers, states):
             opt.load_state_dict(st)
+        # torch's load_state_dict makes new group dicts: the exposed list, in place (a scheduler built
+        # before the load reads it through this optimizer), holds them
+        self.param_groups[:] = [g for opt in self.optimizers for g in opt.param_groups]
         if "stage" in state_dict:
             self.stage.load_state_dict(state_dict["stage"])
 

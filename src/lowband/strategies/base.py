@@ -118,10 +118,12 @@ class Strategy(GradientPolicies):
             self.begin_step()
             self.clear_gradients()
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, *, divided: bool = False) -> None:
         """One backward pass of ``loss`` (divided by ``accumulate``, then scaled by the grad scaler if one
-        is set). The J-th pass since the last step communicates; earlier ones accumulate locally."""
-        if self.accumulate > 1:
+        is set). The J-th pass since the last step communicates; earlier ones accumulate locally.
+        ``divided=True``: the caller divided ``loss`` by ``accumulate`` already (front ends over a
+        framework that normalises accumulated losses itself, :mod:`lowband.integrations`)."""
+        if self.accumulate > 1 and not divided:
             loss = loss / self.accumulate
         with self.local_pass() if not self.syncing else contextlib.nullcontext():
             self.run_backward(self.scaled(loss))
