@@ -1,6 +1,6 @@
 """Threads per rank that lowband starts while strategies train: the peak, sampled after every backward
 and every step, of this process's ``lowband-*`` helper threads (engine workers, the completion thread,
-the window service's listener; not the ranks), divided by the number of ranks (thread ranks of one process).
+window receivers; not the ranks), divided by the number of ranks (thread ranks of one process).
 
     python benchmarks/engine_threads.py [-n 2] [--steps 20] [--out DIR]
 

@@ -325,7 +325,7 @@ def shutdown() -> None:
     torch.distributed if lowband initialised it. Runs at interpreter exit for a process that did not
     call it.
 
-    A lowband thread (the completion thread waiting on a send/recv, a window listener serving a request) still blocked in a gloo wait
+    A lowband thread (the completion thread waiting on a send/recv, a window receiver) still blocked in a gloo wait
     when the interpreter finalizes aborts the process as the wait returns ("terminate called without an
     active exception", exit -6), after the work succeeded. So first, while the interpreter still runs:
     give such threads a moment to end, close the connections their receives wait on (they fail and end:
@@ -366,7 +366,7 @@ def shutdown() -> None:
 def _at_exit() -> None:
     """Interpreter exit of a process that did not call :func:`shutdown`: shut down (see there why).
     ``atexit`` runs hooks newest first, so those registered after ``init`` (the window service's, which
-    stops its peers' service of this rank) have run."""
+    stops its peers' receivers) have run."""
     try:
         shutdown()
     except Exception:  # exiting anyway: never turn a finished run into a failed exit

@@ -37,7 +37,7 @@ def close_pg(pg: Any) -> None:
 
 
 def lowband_threads() -> list[threading.Thread]:
-    """This process's lowband helper threads (engine workers, the completion thread, window listeners), not thread ranks."""
+    """This process's lowband helper threads (engine workers, the completion thread, window receivers), not thread ranks."""
     me = threading.current_thread()
     return [
         t
@@ -66,19 +66,6 @@ def idle() -> Iterator[None]:
     finally:
         with _idle_lock:
             _idle.discard(me)
-
-
-@contextmanager
-def busy() -> Iterator[None]:
-    """Inside :func:`idle`: the calling thread works (a bounded gloo wait) until the block exits."""
-    me = threading.get_ident()
-    with _idle_lock:
-        _idle.discard(me)
-    try:
-        yield
-    finally:
-        with _idle_lock:
-            _idle.add(me)
 
 
 def is_idle(t: threading.Thread) -> bool:

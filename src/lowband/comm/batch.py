@@ -13,8 +13,8 @@ Tags are the process group's own tags: a batch on a group that also carries :fun
 :func:`lowband.recv` (which use ``2*tag`` and ``2*tag+1``) must keep to tags those never use, or run on a
 group of its own.
 
-:class:`Channel` is the same for threads without a runtime context (the listener thread of a window
-service answers other ranks from a thread of its own): it holds the group, the rank, the timeout and the
+:class:`Channel` is the same for threads without a runtime context (the receiver threads of a window
+service answer other ranks from threads of their own): it holds the group, the rank, the timeout and the
 tracer, captured on the rank's own thread.
 """
 

@@ -31,7 +31,7 @@ communication stream early.
 
 Threads: a rank that uses no asynchronous feature starts none. Otherwise it runs one engine worker per
 group that has lanes, one completion thread (``then`` of works without a future), and the window
-service's listener (:mod:`lowband.decentral.window_service`). Every wait is bounded by the runtime's
+service's receivers (:mod:`lowband.decentral.window_service`). Every wait is bounded by the runtime's
 timeout; a failed task fails its handle and every later task of its lane.
 """
 

@@ -10,7 +10,7 @@ hierarchical neighbor averaging, and the per-rank topology state.
   ``neighbor_allgather`` and their nonblocking ``i``-forms.
 - :mod:`~lowband.decentral.hierarchical`: ``hierarchical_neighbor_allreduce``.
 - :mod:`~lowband.decentral.window` (+ ``window_service``, ``mutex``): one-sided windows, ``win_*``
-  (one listener thread per rank on a dedicated gloo group; consistency model in its docstring).
+  (a receiver thread per neighbor on a dedicated gloo group; consistency model in its docstring).
 - :mod:`~lowband.decentral.optimizers` (``atc``, ``awc``, ``gradient_allreduce``, ``winput``,
   ``combine``, ``knobs``, ``optim_base``): decentralized optimizer wrappers around torch optimizers.
 - :mod:`~lowband.decentral.strategies`: those optimizers as lowband strategies (atc, awc,

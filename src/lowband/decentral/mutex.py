@@ -3,7 +3,7 @@ state machine behind them.
 
 :class:`WindowMutex` is one window's mutex on one rank, pure local bookkeeping (threads and a condition
 variable; it does not communicate): the window service (:mod:`lowband.decentral.window_service`) feeds
-it the operations and lock requests its listener thread gets from neighbors, and this module's context
+it the operations and lock requests its receiver threads get from neighbors, and this module's context
 managers and :mod:`lowband.decentral.window` the local acquisitions. Waiters are served strictly first
 come, first served:
 
@@ -96,7 +96,7 @@ class WindowMutex:
             )
             return f"{who}, {len(self.queue)} waiting"
 
-    # -- operations from neighbors (the service's listener) ------------------------------------
+    # -- operations from neighbors (receiver threads) ------------------------------------------
 
     def submit(self, src: int, action: Action, *, mutexed: bool) -> None:
         """Run ``action`` (an operation from rank ``src``) now if it may run, else queue it."""

@@ -21,8 +21,8 @@ Each ``win_put`` / ``win_accumulate`` / ``win_get`` has a ``_nonblocking`` form 
 This module creates and frees windows and re-exports the rest: :mod:`~lowband.decentral.window_ops`
 (put, accumulate, get and their handles), :mod:`~lowband.decentral.window_state` (update, versions,
 state dicts), :mod:`~lowband.decentral.mutex` (the mutex). Transport:
-:mod:`lowband.decentral.window_service` (a process group of its own and one listener thread per
-rank serving every neighbor, which applies requests as they arrive; wire format in
+:mod:`lowband.decentral.window_service` (a process group of its own and one receiver thread per
+neighbor, which applies requests as they arrive; wire format in
 :mod:`~lowband.decentral.window_protocol`).
 
 Consistency model
@@ -47,9 +47,9 @@ Consistency model
   then). Acquire several mutexes in ascending rank order (``win_mutex`` does) to avoid deadlock.
 - *Versions*: :func:`get_win_version` counts, per in-neighbor, the writes into its buffer since the last
   :func:`win_update` that read that buffer.
-- *Failures*: every wait is bounded by the runtime timeout; a dead peer makes the operations that reach
-  it fail with :class:`CommFailedError` (or :class:`CommTimeoutError`); an error inside the service (a
-  peer lost mid-request, a refused payload) surfaces on this rank's next window call. A gloo timeout closes the window process group: the windows are then unusable.
+- *Failures*: every wait is bounded by the runtime timeout; a dead peer makes operations fail with
+  :class:`CommFailedError` (or :class:`CommTimeoutError`); an error inside the service surfaces on this
+  rank's next window call. A gloo timeout closes the window process group: the windows are then unusable.
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def win_create(
     svc.next_wid += 1
     svc.register(rec)
     reg.by_name[name] = (svc, rec)
-    svc.serve_peers(rec.peers)
+    svc.start_receivers(rec.peers)
     # nobody sends to a window that a neighbor has not registered yet
     agree(g, "the window registered", [rec.wid], fields=("the window id",), where=at)
     return True
@@ -176,7 +176,7 @@ def win_free(name: str | None = None) -> bool:
     """Free window ``name`` (every window with ``None``) on every rank of its group (collective).
 
     Waits for this rank's operations in flight, then a barrier: once it returns every operation any rank
-    issued on the window has been applied. When a group's last window goes, its listener thread stops
+    issued on the window has been applied. When a group's last window goes, its receiver threads stop
     (a later :func:`win_create` starts them again). Returns True.
     """
     op = "win_free"

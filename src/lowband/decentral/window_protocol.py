@@ -16,6 +16,7 @@ neither for a payload its destination refused nor for the data of a refused GET
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -53,6 +54,8 @@ NO_ANSWER = -1
 HEADER = 6
 TAG_HEADER, TAG_PAYLOAD, TAG_REPLY = 0, 1, 2
 TAG_SPAN = 1 << 29
+#: receivers wait for their peer's next request without a timeout (see window_service's docstring)
+IDLE_SECONDS = datetime.timedelta(days=3650).total_seconds()
 
 
 @dataclass(frozen=True)

@@ -1,37 +1,28 @@
 """Transport of the one-sided window operations: a dedicated gloo process group per lowband group and,
-on every rank, one listener thread that applies what any neighbor asks for.
+on every rank, one receiver thread per neighbor that applies what that neighbor asks for.
 
-torch.distributed has no one-sided operations, so each rank runs a small service. Its *peers* are the
-ranks that are an in- or out-neighbor of this rank in some window's static topology. For each peer
-``p`` the listener (:mod:`lowband.decentral.window_listener`) keeps one posted receive of a request
-header from ``p`` (tag 0) on the window process group; when one arrives it reads the payload that
-follows it (tag 1) and applies the request to this rank's window: PUT (overwrite the buffer kept for
-``p``), ACCUMULATE (add to it), GET (answer with this rank's registered tensor), LOCK/UNLOCK (the
-window's distributed mutex, :mod:`lowband.decentral.mutex`) or STOP; then it posts ``p``'s next header
-receive. Every request is answered on a reply tag the requester posted a receive for before sending: a
-status, and for GET the data. So a request is complete, on the requester's side, once it has been
-*applied* at the destination; the destination's main thread takes no part in it.
+torch.distributed has no one-sided operations, so each rank runs a small service. For each peer ``p``
+(a rank that is an in- or out-neighbor of this rank in some window's static topology) a receiver thread
+waits on a point-to-point receive of a request header from ``p`` (tag 0) on the window process group,
+reads the payload that follows it (tag 1), and applies the request to this rank's window: PUT
+(overwrite the buffer kept for ``p``), ACCUMULATE (add to it), GET (answer with this rank's registered
+tensor), LOCK/UNLOCK (the window's distributed mutex, :mod:`lowband.decentral.mutex`) or STOP. Every
+request is answered on a reply tag the requester posted a receive for before sending: a status, and for
+GET the data. So a request is complete, on the requester's side, once it has been *applied* at the
+destination; the destination's main thread takes no part in it.
 
 Why one receive per peer and not ``recv_anysource``: in torch 2.13's gloo an any-source receive is not
-woken when a peer dies or closes its process group, and a timed-out gloo wait closes the connection it
-waited on. Why one thread for all peers: a request's header and payload leave the requester back to
-back and its answer's receive is posted before it sends, so serving a request never waits for another
-request or for the requester's service; all peers' payloads arrive over this rank's one link, so
-serving them one after another costs no bandwidth; and a peer's requests are applied in the order its
-headers arrive (per-pair FIFO), since its next header receive is posted only after its request was
-served. The listener waits only for receives whose bytes are arriving (how, and why gloo allows no
-other way, is in :mod:`~lowband.decentral.window_listener`), so it never waits on an idle peer.
+woken when a peer dies or closes its process group, and a timed-out gloo wait closes every connection of
+the process group. A receive from a given peer fails at once when that peer dies or shuts down, so
+receivers wait without a timeout and still end when their peer goes; everything else waits bounded by
+the runtime timeout. One process group carries the traffic of all windows of a group; one receiver per
+peer keeps each pair's requests in order (per-pair FIFO).
 
-Failures: a receive or an answer that fails (a peer died mid-request, a refused payload larger than the
-window) is recorded and raised by this rank's next window call, and that peer is served no longer. A
-peer that dies while idle is noticed by the operations that reach it (the requester's own bounded
-waits) and by the next collective, not by the listener: no receive of its is waited on. Every other
-wait is bounded by the runtime timeout.
-
-Teardown: ``win_free`` of a group's last window sends STOP to every peer after its barrier; the
-listener ends once every peer sent its STOP. A thread rank's ``lowband.shutdown`` destroys the window
-group, and the listener ends at its next poll. In a process whose windows were never freed an ``atexit``
-hook sends STOP to every peer and waits briefly for the listener; call ``win_free`` before exiting.
+Teardown: ``win_free`` of a group's last window sends STOP to every peer after its barrier, and the
+receivers exit. A thread rank's ``lowband.shutdown`` closes the process group, which ends the peers'
+receivers for it. In a process whose windows were never freed an ``atexit`` hook sends STOP to every peer
+and waits briefly for its own receivers (a thread still blocked in gloo at interpreter exit aborts the
+process); call ``win_free`` before exiting.
 
 The wire format and the checks of a request are :mod:`lowband.decentral.window_protocol`; every
 message goes through :class:`lowband.comm.batch.Channel` (bounded, traced: a rank's requests under the
@@ -53,7 +44,6 @@ import torch
 from lowband.comm.batch import Channel, P2POp, recv_op, send_op
 from lowband.comm.handle import Handle
 from lowband.decentral import window_protocol as wp
-from lowband.decentral.window_listener import Listener
 from lowband.decentral.window_protocol import ACCUMULATE, GET, LOCK, OK, PUT, Request
 from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError, LowbandError
 from lowband.group import Group
@@ -120,10 +110,8 @@ class WindowService:
         self.next_wid = 0
         self.error: LowbandError | None = None
         self.pending: list[Handle[Any]] = []
-        #: the peers served since the last stop (an in- or out-neighbor in some window's topology)
-        self.peers: set[int] = set()
+        self.receivers: dict[int, threading.Thread] = {}
         self.stopping = False
-        self.listener = Listener(self.rank, channel, self._serve, self.fail, lambda: self.stopping)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._tags = itertools.count()
@@ -150,12 +138,16 @@ class WindowService:
         with self._lock:
             self.windows.pop(wid, None)
 
-    def serve_peers(self, peers: tuple[int, ...]) -> None:
-        """Serve each of ``peers`` that is not served yet (the listener starts on the first)."""
+    def start_receivers(self, peers: tuple[int, ...]) -> None:
+        """Start a receiver thread for each of ``peers`` that has none yet."""
         self.stopping = False
-        new = [p for p in peers if p not in self.peers]
-        self.peers.update(new)
-        self.listener.add(new)
+        for p in peers:
+            if p not in self.receivers:
+                t = threading.Thread(
+                    target=self._loop, args=(p,), name=f"lowband-win-r{self.rank}-from{p}", daemon=True
+                )
+                self.receivers[p] = t
+                t.start()
 
     def track(self, h: Handle[Any]) -> None:
         self.pending = [x for x in self.pending if not x.done()]
@@ -167,37 +159,40 @@ class WindowService:
             h.wait()
 
     def stop(self, where: str) -> None:
-        """Send STOP to every peer and wait for the listener to end (after the collective barrier of
-        ``win_free``, when no request can be in flight): it ends once every peer sent its STOP."""
-        if not self.peers:
+        """Send STOP to every peer and join this rank's receivers (after the collective barrier of
+        ``win_free``, when no request can be in flight)."""
+        if not self.receivers:
             return
         self.stopping = True
         with self._send_lock:
-            self.channel.batch("win_free", self._stop_ops(sorted(self.peers)), trace=False)
-        if not self.listener.join(self.timeout):
-            raise CommTimeoutError(
-                f"{where}: the window listener still served ranks {sorted(self.listener.open)} "
-                f"{self.timeout:g} s after this rank's STOP (they did not send theirs)"
-            )
-        self.peers.clear()
+            self.channel.batch("win_free", self._stop_ops(sorted(self.receivers)), trace=False)
+        for p, t in self.receivers.items():
+            t.join(self.timeout)
+            if t.is_alive():
+                raise CommTimeoutError(
+                    f"{where}: the receiver for rank {p} did not stop within {self.timeout:g} s"
+                )
+        self.receivers.clear()
 
     @staticmethod
     def _stop_ops(peers: list[int]) -> list[P2POp]:
         return [send_op(wp.stop_header(), p, wp.TAG_HEADER, control=True) for p in peers]
 
     def close_at_exit(self, budget: float = 2.0) -> None:
-        """Best effort at interpreter exit when windows were not freed: tell every peer to stop serving
-        this rank and give the listener ``budget`` seconds to be told the same by every peer."""
-        if not self.peers:
+        """Best effort at interpreter exit when windows were not freed: tell every peer to stop its
+        receiver for this rank and give this rank's receivers ``budget`` seconds to be told the same
+        (a thread still blocked in gloo at exit aborts the process)."""
+        if not self.receivers:
             return
         self.stopping = True
-        for p in sorted(self.peers):
+        for p in sorted(self.receivers):
             try:
                 with self._send_lock:
                     self.channel.batch("win_free", self._stop_ops([p]), timeout=budget, trace=False)
             except LowbandError:
                 pass  # that peer is gone already
-        self.listener.join(budget)
+        for t in self.receivers.values():
+            t.join(budget)
 
     # -- requests (the requesting side) ---------------------------------------------------------
 
@@ -212,7 +207,34 @@ class WindowService:
         with self._send_lock:
             return self.channel.ibatch(op, ops, finish, name=name)
 
-    # -- the serving side (the listener's thread) -----------------------------------------------
+    # -- the serving side (receiver threads) ----------------------------------------------------
+
+    def _loop(self, src: int) -> None:
+        where = f"lowband window service on rank {self.rank}"
+        while True:
+            hdr = torch.empty(wp.HEADER, dtype=torch.int64, device="cpu")
+            try:
+                self.channel.batch(
+                    "window_service",
+                    [recv_op(hdr, src, wp.TAG_HEADER, control=True)],
+                    timeout=wp.IDLE_SECONDS,
+                    trace=False,
+                )
+            except LowbandError as exc:
+                if not self.stopping:
+                    self.fail(CommFailedError(f"{where}: lost rank {src} (it may have died): {exc}"))
+                return
+            vals = [int(v) for v in hdr.tolist()]
+            if vals[0] == wp.STOP:
+                return
+            try:
+                self._serve(src, vals)
+            except LowbandError as exc:
+                self.fail(exc)
+                return
+            except Exception as exc:
+                self.fail(CommFailedError(f"{where}: serving a request from rank {src} failed: {exc!r}"))
+                return
 
     def _serve(self, src: int, vals: list[int]) -> None:
         where = (
