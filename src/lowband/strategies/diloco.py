@@ -40,7 +40,6 @@ replaced the replicas (one fragment, no delay, ``alpha=0``).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from torch import nn
 
 from lowband.comm.collectives import broadcast
 from lowband.comm.handle import Handle, completed
-from lowband.compress.reducer import CompressedReducer
+from lowband.compress.reducer import CompressedReducer, flatten, unflatten_into
 from lowband.compress.specs import build_reducer, describe_reducer
 from lowband.decentral.neighbor import ineighbor_allreduce
 from lowband.errors import InvalidArgumentError
@@ -212,11 +211,11 @@ class DiLoCoStrategy(Strategy):
         else:  # each rank with its neighbours; a dynamic graph advances once per exchange of the fragment
             topo = self.topology
             graph = topo.at(self.sent[k]) if isinstance(topo, DynamicTopology) else topo
-            flat = torch.cat([d.reshape(-1) for d in deltas])
+            flat = flatten(deltas)
             mixed = ineighbor_allreduce(
                 flat, topology=graph, name=f"diloco:fragment{k}", group=self.outer_group
             )
-            handle = mixed.map(functools.partial(_split, like=deltas))
+            handle = mixed.map(functools.partial(unflatten_into, grads=deltas))
         self.pending[k] = (self.inner_done + self.delay, handle)
         self.sent[k] += 1
 
@@ -228,14 +227,11 @@ class DiLoCoStrategy(Strategy):
         frag = self.fragments[k]
         avg = handle.wait() if handle is not None else None
         if self.machine is not None:  # the machine's first rank hands the outer average to the others
-            like = [self.params[i] for i in frag]
-            flat = (
-                torch.cat([a.reshape(-1) for a in avg])
-                if avg is not None
-                else torch.empty(sum(q.numel() for q in like), dtype=like[0].dtype, device=like[0].device)
-            )
+            if avg is None:
+                avg = [torch.empty_like(self.params[i]) for i in frag]
+            flat = flatten(avg)
             broadcast(flat, 0, inplace=True, name=f"diloco:fragment{k}", group=self.machine)
-            avg = _split(flat, like)
+            avg = unflatten_into(flat, avg)
         assert avg is not None
         for i, a in zip(frag, avg, strict=True):
             self.global_params[i].grad = a
@@ -329,12 +325,3 @@ class DiLoCoStrategy(Strategy):
             got = [v.to(q.device, q.dtype) for v, q in zip(values, dev, strict=True)]
             restored = completed(got, op="diloco", name=f"fragment{k}", rank=self.group.rank)
             self.pending[int(k)] = (int(due), restored)
-
-
-def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``flat`` cut into tensors shaped as ``like``."""
-    out, pos = [], 0
-    for t in like:
-        out.append(flat[pos : pos + t.numel()].view_as(t))
-        pos += t.numel()
-    return out
