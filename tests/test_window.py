@@ -206,7 +206,7 @@ def _push_sum() -> torch.Tensor:
     W.win_create(x_ext, "ps", zero_init=True)
     outs = exponential_two(n).out_neighbors(r)
     share = 1.0 / (len(outs) + 1)
-    for _ in range(60 + 25 * r):  # every rank runs a different number of iterations
+    for _ in range(150 + 25 * r):  # every rank runs a different number of iterations
         W.win_accumulate(
             x_ext, "ps", self_weight=share, dst_weights=dict.fromkeys(outs, share), require_mutex=True
         )
