@@ -300,6 +300,43 @@ def test_exit_without_shutdown_is_clean(tmp_path: Path) -> None:
             assert "terminate called" not in run.stderr
 
 
+ADOPTED_EXIT_SCRIPT = """
+import atexit, os, torch, torch.distributed as dist
+
+def gloo_threads_left():  # runs after lowband's exit hook (atexit runs newest first)
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    print("gloo threads at finalization:", sum(n.startswith(("pt_gloo", "gloo_")) for n in names), flush=True)
+
+atexit.register(gloo_threads_left)
+dist.init_process_group("gloo")  # the user's (or Accelerate's) default group, adopted by lowband
+import lowband
+lowband.init()
+g = lowband.new_group([0, 1])
+cycle = [g]
+cycle.append(cycle)  # a group only a reference cycle still holds
+out = [torch.empty(3) for _ in range(2)]
+dist.all_gather(out, torch.ones(3))  # temporaries: a gloo worker may drop the last reference late
+lowband.allreduce(torch.ones(4))
+del out, g, cycle
+print("done", dist.get_rank(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc")
+def test_exit_destroys_every_gloo_group_before_finalization(tmp_path: Path) -> None:
+    """A process group still alive when the interpreter finalizes can abort the process after a run that
+    succeeded (a gloo worker dropping a finished work's tensors needs the GIL then: torch issue 190489).
+    lowband's exit hook destroys them all, its own and an adopted default group, while the interpreter
+    runs: no gloo worker thread is left when the last exit hook runs."""
+    script = tmp_path / "adopted.py"
+    script.write_text(ADOPTED_EXIT_SCRIPT)
+    for r, run in enumerate(_run_ranks(script, 2, {"LOWBAND_TIMEOUT": "60"}, timeout=120)):
+        assert run.returncode == 0 and f"done {r}" in run.stdout, (
+            f"rank {r}: {run.returncode}\n{run.stderr[-2000:]}"
+        )
+        assert "gloo threads at finalization: 0" in run.stdout, f"rank {r}: {run.stdout}"
+
+
 def test_init_env_rank0_hosts_store(tmp_path: Path) -> None:
     """A bare env:// world (no launcher's store): rank 0 hosts the store, as with torch's env://."""
     script = tmp_path / "plain.py"

@@ -27,7 +27,7 @@ from lowband.config import Config
 from lowband.errors import InvalidArgumentError, LowbandError, NotInitializedError
 from lowband.group import Group
 from lowband.rendezvous import join_env
-from lowband.teardown import break_connections, close_pg, join_threads, lowband_threads
+from lowband.teardown import break_connections, close_pg, join_threads, lowband_threads, release_pgs
 
 
 @dataclass(eq=False)
@@ -356,19 +356,34 @@ def shutdown() -> None:
         g._destroyed.set()
         close_pg(g.ctl)
         close_pg(g.pg)
+        g.pg = g.ctl = None
     ctx._groups.clear()
     ctx.world._destroyed.set()
     close_pg(ctx.world.ctl)
+    ctx.world.ctl = None
     if ctx.owns_default_pg and dist.is_initialized():
         dist.destroy_process_group()
+    ctx.world.pg = None
+    release_pgs()
 
 
 def _at_exit() -> None:
-    """Interpreter exit of a process that did not call :func:`shutdown`: shut down (see there why).
-    ``atexit`` runs hooks newest first, so those registered after ``init`` (the window service's, which
-    stops its peers' receivers) have run."""
+    """Interpreter exit: shut down (see there why), then destroy the process groups lowband did not make
+    (the default one that a user, Accelerate or Lightning initialised and lowband adopted) while the
+    interpreter still runs.
+
+    A gloo worker thread drops the last reference to a finished work (and to its tensors) after the rank
+    has seen it finish. Dropping a tensor that Python knew takes the GIL; during interpreter finalization
+    that ends the thread inside a C++ destructor, which aborts the process ("terminate called without an
+    active exception", exit -6) after a run that succeeded: torch's open issue 190489, which any torch
+    program that exits without ``destroy_process_group`` can meet. Destroying a process group joins its
+    workers, and torch releases the GIL while it does. ``atexit`` runs hooks newest first, so those
+    registered after ``init`` (the window service's, which stops its peers' receivers) have run."""
     try:
         shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # every group still in torch's registry
+        release_pgs()
     except Exception:  # exiting anyway: never turn a finished run into a failed exit
         pass
 

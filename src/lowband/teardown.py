@@ -7,6 +7,7 @@ Used by :func:`lowband.destroy_group`, :func:`lowband.shutdown` and the interpre
 from __future__ import annotations
 
 import datetime
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +35,13 @@ def close_pg(pg: Any) -> None:
         pg.shutdown()
     except (RuntimeError, AttributeError):
         pass
+
+
+def release_pgs() -> None:
+    """Free the process groups nothing refers to any more but a reference cycle, now (their C++
+    destructors join their worker threads) rather than at interpreter finalization (see
+    :func:`lowband.runtime._at_exit` for why that matters)."""
+    gc.collect()
 
 
 def lowband_threads() -> list[threading.Thread]:
