@@ -114,6 +114,7 @@ PARTIAL_SYNC_OPTIONS = Options(
 class PartialSyncStrategy(ScheduledStrategy):
     name = "dreamddp"
     steps_in_backward = True
+    local_steps = True  # applies only without gradient stages (NonFiniteGuard.deferred)
     #: the default scheduler (``lowband.localsgd.make_schedule`` method) of this variant
     method = "dreamddp"
     #: ``split`` when none is given: DreamDDP chooses chunks; the paper's baselines keep whole layers

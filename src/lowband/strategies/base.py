@@ -331,6 +331,8 @@ class Strategy(GradientPolicies):
                 f"{type(self).__name__}.state_dict on rank {self.group.world_rank}: {self._passes} of "
                 f"{self.accumulate} backward passes of the step are accumulated; save after step()"
             )
+        if self.nonfinite is not None:
+            self.nonfinite.settle()  # local steps: a non-finite gradient of the last step is raised first
         state = {
             "strategy": self.name,
             "steps": self.steps,

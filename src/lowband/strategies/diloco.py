@@ -74,6 +74,7 @@ class DiLoCoStrategy(Strategy):
     """See the module docstring."""
 
     name = "diloco"
+    local_steps = True  # inner=local only: inner=ddp has a gradient stage (agreed every step)
     no_grad_scaler_reason = "its outer step counts inner steps, and a step the scaler skips would shift them"
     no_skip_reason = "its outer step counts inner steps, and a skipped one would shift every rank's period"
 

@@ -102,6 +102,9 @@ class GradientPolicies:
     nonfinite: NonFiniteGuard | None = None
     #: why on_nonfinite="skip" is refused (None: supported, unless the strategy steps in backward)
     no_skip_reason: str | None = None
+    #: each rank steps its own replica between exchanges: the non-finite flags are agreed a step late
+    #: (:mod:`lowband.optim.nonfinite`, "Local steps"), not at every step
+    local_steps = False
 
     def set_nonfinite(self, policy: str) -> None:
         """Catch non-finite gradients by ``policy`` ("raise", "skip" or "off", :mod:`lowband.optim.nonfinite`);
@@ -121,6 +124,7 @@ class GradientPolicies:
         for stage in self.gradient_stages():
             self.nonfinite.attach(stage)
         self.nonfinite.rides_data = self.nonfinite_rides_data()
+        self.nonfinite.deferred = self.local_steps and not self.nonfinite.stages
 
     def nonfinite_rides_data(self) -> bool:
         """True if every gradient the non-finite guard sees is averaged by a plain allreduce before the

@@ -30,6 +30,7 @@ class LocalSGDStrategy(Strategy):
     skipped step (no averaging either) is skipped on every rank and torch's averager counts alike."""
 
     name = "localsgd"
+    local_steps = True
     no_grad_scaler_reason = None
 
     def __init__(
