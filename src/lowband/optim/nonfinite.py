@@ -36,14 +36,15 @@ By the policy (the ``on_nonfinite`` option of every strategy):
   state per step; ``raise`` costs nothing of the kind). Strategies that step layers during backward
   cannot skip (their layers are stepped before the whole gradient is known) and refuse ``skip``.
 
-Local steps (``localsgd``, the ``dreamddp`` family, ``diloco`` with ``inner=local``: each rank steps
-its own replica between exchanges; :attr:`NonFiniteGuard.deferred`): a rank's gradients are checked on
-the host as above, and when non-finite they are dropped, so its local step updates nothing (its
-parameters stay finite, and any averaging inside the step runs on every rank alike). No rank waits for
-the others at each step: under ``raise`` the flags are allreduced asynchronously and read at the next
-step, so every rank raises one step later, naming the rank and the step; under ``skip`` nothing is
-exchanged and only the rank that held the value drops its step (``skipped`` counts this rank's). On a
-link with a round trip of d ms this saves d ms per inner step.
+Local steps (``localsgd``, ``diloco`` with ``inner=local``: each rank steps its own replica between
+exchanges, and no gradient stage is attached; :attr:`NonFiniteGuard.deferred`): a rank's gradients are
+checked on the host as above, and when non-finite they are dropped, so its local step updates nothing
+(its parameters stay finite, and any averaging inside the step runs on every rank alike). No step waits
+for the others: under ``raise`` the flags are allreduced asynchronously and read ``MAX_PENDING`` steps
+later (on a WAN an allreduce of a few bytes takes several round trips, longer than a step) or before
+the strategy's next exchange, in ``synchronize`` or ``state_dict``, whichever comes first; every rank
+reads them at the same step and raises there, naming the rank and the step. Under ``skip`` nothing is
+exchanged and only the rank that held the value drops its step (``skipped`` counts this rank's).
 
 With an fp16 ``GradScaler`` (:mod:`lowband.optim.scaling`) overflows are the scaler's to handle (it
 skips the step everywhere and backs the scale off): the guard steps aside. ``LOWBAND_CHECK_FINITE=off``
@@ -52,6 +53,7 @@ skips the step everywhere and backs the scale off): the guard steps aside. ``LOW
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
 from collections.abc import Callable, Sequence
@@ -69,6 +71,9 @@ if TYPE_CHECKING:
     from lowband.optim.stage import GradientStage
 
 Tensor = torch.Tensor
+
+#: local steps: agreements in flight before a step waits for the oldest (bounds memory and the delay)
+MAX_PENDING = 16
 
 #: the values of every strategy's ``on_nonfinite`` option
 POLICIES = ("raise", "skip", "off")  # off: no check (what the overhead benchmark compares with)
@@ -120,9 +125,10 @@ class NonFiniteGuard:
         #: state put back on a skipped step besides the stages' reducers (e.g. PowerSGD's comm hook)
         self.restorers: list[Callable[[], None]] = []
         #: the ranks step apart between exchanges (set by local-step strategies without gradient stages):
-        #: agreed one step late (module docstring, "Local steps")
+        #: agreed asynchronously, a few steps late (module docstring, "Local steps")
         self.deferred = False
-        self._pending: tuple[Handle[Tensor], int, str] | None = None  # agreement, step, own parameter
+        #: local steps' agreements in flight, oldest first: handle, step, this rank's bad parameter
+        self._pending: collections.deque[tuple[Handle[Tensor], int, str]] = collections.deque()
 
     def attach(self, stage: GradientStage) -> None:
         """``stage`` checks each unit through this guard (and keeps its reducer's state for ``skip``)."""
@@ -219,11 +225,11 @@ class NonFiniteGuard:
         raise self._error(found, labels, grads)
 
     def _decide_local(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> bool:
-        """:meth:`decide` for local steps: settle the previous step's agreement, check this rank's
+        """:meth:`decide` for local steps: settle the agreements that have arrived, check this rank's
         gradients (one host read), drop them when non-finite (its local step updates nothing), and,
         under ``raise``, start this step's agreement without waiting for it. Always True: the step goes
         on (a strategy's averaging inside it runs on every rank alike)."""
-        self.settle()
+        self.settle(keep=MAX_PENDING - 1)
         grads = [(n, p.grad) for n, p in params if p.grad is not None]
         if not grads:
             return True
@@ -233,11 +239,8 @@ class NonFiniteGuard:
             dev = grads[0][1].device
             vec = torch.zeros(self.group.size, dtype=torch.float32, device="cpu" if self._host else dev)
             vec[self.group.rank] = float(bad)
-            self._pending = (
-                iallreduce(vec, op="max", group=self._fast),
-                self._step(),
-                names[0] if names else "",
-            )
+            handle = iallreduce(vec, op="max", group=self._fast)
+            self._pending.append((handle, self._step(), names[0] if names else ""))
         if bad:
             for _, p in params:
                 p.grad = None
@@ -246,16 +249,17 @@ class NonFiniteGuard:
                 self.settle_now(torch.ones(1), self._step(), names[0] if names else "")
         return True
 
-    def settle(self) -> None:
-        """Local steps: wait for the last step's agreement (started a step ago: its round trip overlapped
-        this step's computation) and raise :class:`NonFiniteError` on every rank if any rank's gradients
-        were non-finite. Called at the next step, and by ``state_dict`` (a checkpoint is never taken
+    def settle(self, *, keep: int = 0) -> None:
+        """Local steps: read the agreements started at earlier steps, oldest first, until ``keep`` are
+        left in flight, and raise :class:`NonFiniteError` if one shows a rank's non-finite gradients.
+        Where they are read is the same on every rank, so every rank raises at the same step: each step
+        reads those beyond ``MAX_PENDING`` (issued that many steps ago: arrived, on any link), and the
+        strategies read all of them before each exchange, in ``synchronize`` and in ``state_dict`` (no
+        rank enters an exchange that a rank which raised will never join, and no checkpoint is taken
         after a non-finite gradient went unreported)."""
-        if self._pending is None:
-            return
-        handle, step, own = self._pending
-        self._pending = None
-        self.settle_now(handle.wait(), step, own)
+        while len(self._pending) > keep:
+            handle, step, own = self._pending.popleft()
+            self.settle_now(handle.wait(), step, own)
 
     def settle_now(self, found: Tensor, step: int, own: str) -> None:
         bad = [r for r, v in enumerate(found.tolist()) if v > 0]
@@ -268,8 +272,9 @@ class NonFiniteGuard:
         raise NonFiniteError(
             f"{self.where}: a non-finite gradient (NaN or Inf) at step {step} on {', '.join(parts)}; that "
             "rank's local step was dropped (its parameters stay finite) and this is raised on every rank "
-            "one step later (local steps agree a step late, so the check costs no round trip). Fix its "
-            "cause (learning rate, loss, inputs), or pass on_nonfinite='skip' to drop such local steps"
+            f"(at step {self._step()} here: local steps agree asynchronously, so no step waits for the "
+            "check). Fix its cause (learning rate, loss, inputs), or pass on_nonfinite='skip' to drop such "
+            "local steps"
         )
 
     def _skip(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:

@@ -240,7 +240,10 @@ class Strategy(GradientPolicies):
         return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type))
 
     def synchronize(self) -> None:
-        """Finish all in-flight communication (nothing is in flight between steps by default)."""
+        """Finish all in-flight communication (between steps by default only the local-step strategies'
+        non-finite agreements, :mod:`lowband.optim.nonfinite`)."""
+        if self.nonfinite is not None:
+            self.nonfinite.settle()
 
     def lookahead(self, ids: Mapping[str, torch.Tensor]) -> None:
         """After a step: the ids each embedding table (by module name) will be called on in the next

@@ -202,6 +202,8 @@ class DiLoCoStrategy(Strategy):
     def _send(self, k: int) -> None:
         """Start averaging fragment ``k``'s pseudo-gradient (compressed, if so configured)."""
         assert self.global_params is not None
+        if self.nonfinite is not None:
+            self.nonfinite.settle()  # every earlier non-finite agreement read before an exchange
         frag = self.fragments[k]
         deltas = [self.global_params[i].detach() - self.params[i].detach() for i in frag]
         handle: Handle[list[torch.Tensor]] | None = None
@@ -249,6 +251,7 @@ class DiLoCoStrategy(Strategy):
 
     def synchronize(self) -> None:
         """Finish the exchanges in flight (their results stay due at their step)."""
+        super().synchronize()
         for _, h in self.pending.values():
             if h is not None:
                 h.wait()

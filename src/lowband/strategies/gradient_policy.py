@@ -102,7 +102,7 @@ class GradientPolicies:
     nonfinite: NonFiniteGuard | None = None
     #: why on_nonfinite="skip" is refused (None: supported, unless the strategy steps in backward)
     no_skip_reason: str | None = None
-    #: each rank steps its own replica between exchanges: the non-finite flags are agreed a step late
+    #: each rank steps its own replica between exchanges: the non-finite flags are agreed asynchronously
     #: (:mod:`lowband.optim.nonfinite`, "Local steps"), not at every step
     local_steps = False
 
