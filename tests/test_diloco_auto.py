@@ -183,53 +183,93 @@ def test_machine_times_take_each_machines_slowest_rank() -> None:
 # -- inner_steps=auto: the weighted outer step against an oracle ------------------------------------
 
 PERIODS = 3
-STEPS_OF = [3, 5, 2, 4]
+STEPS_OF = [3, 5, 2, 4]  # fixed inner steps per machine
 
 
-def _weighted_oracle(n: int) -> list[list[float]]:
-    """Every rank r takes H_r inner steps per period on its own batches (its k-th step's), then the
-    global parameters take an outer Nesterov step on sum_r H_r * (global - local_r) / sum_r H_r and every
-    rank continues from them."""
-    hs = STEPS_OF[:n]
+def _weighted_oracle(hs: list[int], per: int = 1) -> list[list[float]]:
+    """Every machine m (``per`` ranks training one replica on the mean of their gradients) takes
+    ``hs[m]`` inner steps per period on its ranks' own batches (their k-th step's), then the global
+    parameters take an outer Nesterov step on sum_m H_m * (global - local_m) / sum_m H_m and every
+    machine continues from them."""
     glob = _model()
     gp = list(glob.parameters())
-    reps = [copy.deepcopy(glob) for _ in range(n)]
+    reps = [copy.deepcopy(glob) for _ in hs]
     inner = [_opt(m.parameters()) for m in reps]
     outer = torch.optim.SGD(gp, lr=0.7, momentum=0.9, nesterov=True)
-    done = [0] * n
+    done = [0] * len(hs)
     for _ in range(PERIODS):
-        for r in range(n):
-            for _ in range(hs[r]):
-                inner[r].zero_grad()
-                _loss(reps[r], r, done[r]).backward()
-                inner[r].step()
-                done[r] += 1
+        for mi, m in enumerate(reps):
+            for _ in range(hs[mi]):
+                grads = []
+                for lr in range(per):
+                    m.zero_grad()
+                    _loss(m, mi * per + lr, done[mi]).backward()
+                    grads.append([q.grad.clone() for q in m.parameters()])  # type: ignore[union-attr]
+                for i, q in enumerate(m.parameters()):
+                    q.grad = sum(g[i] for g in grads) / per  # type: ignore[assignment]
+                inner[mi].step()
+                done[mi] += 1
         with torch.no_grad():
             for i, g in enumerate(gp):
-                g.grad = sum(hs[r] * (g - list(reps[r].parameters())[i]) for r in range(n)) / sum(hs)
+                g.grad = sum(hs[m] * (g - list(reps[m].parameters())[i]) for m in range(len(hs))) / sum(hs)
             outer.step()
             outer.zero_grad(set_to_none=True)
             for m in reps:
                 for q, g in zip(m.parameters(), gp, strict=True):
                     q.copy_(g)
-    return [_flat(m) for m in reps]
+    return [_flat(reps[r // per]) for r in range(len(hs) * per)]
 
 
-def _weighted(n: int) -> list[float]:
-    steps = ",".join(str(h) for h in STEPS_OF[:n])
-    opts = {"inner_steps": "auto", "base_steps": 2, "machine_steps": steps}
-    got, rep, _ = _run(opts, PERIODS * STEPS_OF[lowband.rank()])
-    assert rep["machine_steps"] == STEPS_OF[:n] and rep["outer_steps"] == PERIODS
+def _weighted(hs: list[int], per: int) -> list[float]:
+    opts: dict[str, object] = {
+        "inner_steps": "auto",
+        "base_steps": 2,
+        "machine_steps": ",".join(map(str, hs)),
+    }
+    if per > 1:
+        opts["inner"] = "ddp"
+    got, rep, _ = _run(opts, PERIODS * hs[lowband.rank() // per])
+    assert rep["machine_steps"] == hs and rep["outer_steps"] == PERIODS
     return got
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_sample_weighted_outer_step_matches_the_oracle(n: int) -> None:
-    got = run_threads(_weighted, n, n, timeout=120)
-    want = _weighted_oracle(n)
+@pytest.mark.parametrize(("n", "per"), [(1, 1), (2, 1), (3, 1), (4, 1), (4, 2)])
+def test_sample_weighted_outer_step_matches_the_oracle(n: int, per: int) -> None:
+    hs = STEPS_OF[: n // per]
+    got = run_threads(_weighted, n, hs, per, timeout=120, local_size=per if per > 1 else None)
+    want = _weighted_oracle(hs, per)
     for r in range(n):
         worst = max(abs(x - y) / max(1.0, abs(y)) for x, y in zip(got[r], want[r], strict=True))
         assert worst < 1e-10, worst
+
+
+def _resume_steps(opts: dict[str, object], hs: list[int]) -> tuple[list[float], list[float]]:
+    """Per-machine steps with a fragment in flight: every rank saves at the end of its first period (its
+    ``H_m`` steps: the same exchanges done on every rank, the last fragment's still in flight), loads
+    into a fresh strategy and continues; the uninterrupted run takes the same steps."""
+    r = lowband.rank()
+    m1, m2 = _model(), _model()
+    s1 = make_strategy("diloco", m1, _opt, outer=OUTER, **opts)
+    for k in range(hs[r]):
+        s1.train_step(lambda mod, k=k: _loss(mod, r, k))
+    sd = copy.deepcopy(s1.state_dict())
+    assert sd["extra"]["pending"]  # the last fragment's exchange, due one step later
+    s2 = make_strategy("diloco", m2, _opt, outer=OUTER, **opts)
+    s2.load_state_dict(sd)
+    for s in (s1, s2):
+        for k in range(hs[r], 3 * hs[r]):
+            s.train_step(lambda mod, k=k: _loss(mod, r, k))
+    return _flat(m1), _flat(m2)
+
+
+def test_resume_with_per_machine_steps_and_fragments_in_flight_is_exact() -> None:
+    hs = [3, 5, 4]
+    opts = {
+        "inner_steps": "auto", "base_steps": 3, "machine_steps": "3,5,4", "fragments": 2, "delay": 1,
+        "compressor": "topk:ratio=0.3",
+    }  # fmt: skip
+    for a, b in run_threads(_resume_steps, 3, opts, hs, timeout=120):
+        assert a == b
 
 
 def _measured() -> tuple[list[int] | None, list[str]]:
@@ -268,6 +308,7 @@ def test_measured_inner_steps_agree_and_favour_the_fast_rank() -> None:
         ({"inner_steps": 4, "machine_steps": "3,4"}, "machine_steps= goes with inner_steps=auto"),
         ({"inner_steps": "auto", "machine_steps": "3,x"}, "machine_steps='3,x'"),
         ({"inner_steps": "auto", "machine_steps": "3,4"}, "one per machine"),
+        ({"inner_steps": "auto", "base_steps": 4, "machine_steps": "3"}, "ints >= base_steps=4"),
         ({"inner_steps": "soon"}, "inner_steps"),
         ({"fragments": "auto", "delay": 1, "profile": "/no/such/dir/p.json"}, "no such directory"),
     ],

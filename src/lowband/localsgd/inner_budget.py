@@ -52,16 +52,17 @@ def budget_steps(
     return [min(cap * base, max(base, math.floor(base * slow / t))) for t in times]
 
 
-def parse_machine_steps(spec: str, machines: int) -> list[int]:
-    """``"5,7,3"``: fixed inner steps per machine (one int >= 1 each)."""
+def parse_machine_steps(spec: str, machines: int, base: int = 1) -> list[int]:
+    """``"5,7,3"``: fixed inner steps per machine, one int >= ``base`` each (``base_steps``: the least
+    any machine takes, against which the fragments and the delay were checked)."""
     try:
         steps = [int(x) for x in spec.split(",")]
     except ValueError:
         steps = []
-    if len(steps) != machines or any(h < 1 for h in steps):
+    if len(steps) != machines or any(h < max(1, base) for h in steps):
         raise InvalidArgumentError(
-            f"machine_steps={spec!r}: must be {machines} comma-separated ints >= 1, one per machine of the "
-            "outer loop"
+            f"machine_steps={spec!r}: must be {machines} comma-separated ints >= base_steps={base}, one per "
+            "machine of the outer loop"
         )
     return steps
 

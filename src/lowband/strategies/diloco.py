@@ -148,7 +148,7 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
         self.machine_steps: list[int] | None = None
         if machine_steps is not None:
             try:
-                self.machine_steps = parse_machine_steps(machine_steps, participants)
+                self.machine_steps = parse_machine_steps(machine_steps, participants, self.inner_steps)
             except InvalidArgumentError as exc:
                 raise InvalidArgumentError(f"{where}: {exc}") from None
         self.period_start = 0  # the inner step the current period began after

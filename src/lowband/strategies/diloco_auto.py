@@ -230,5 +230,14 @@ class DiLoCoAuto:
         g = self.group
         return Group(g.pg, (g.world_rank,), 0, name=f"{g.name}:rank{g.rank}", key=f"{g.key}:rank{g.rank}")
 
+    def checkpoint_clock(self, state: dict[str, Any]) -> object:
+        """What the ranks' checkpoints of one save share: the steps, or with per-machine steps (which
+        differ between machines) the exchanges started (a save at the same exchange on every rank, e.g.
+        at the end of a period)."""
+        extra = state.get("extra")
+        if not isinstance(extra, dict) or not extra.get("machine_steps"):
+            return state.get("steps")
+        return f"{sum(int(x) for x in extra.get('sent', []))} exchanges"
+
 
 __all__ = ["DiLoCoAuto", "wire_ratio"]
