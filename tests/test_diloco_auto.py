@@ -250,6 +250,7 @@ def _resume_steps(opts: dict[str, object], hs: list[int]) -> tuple[list[float], 
     r = lowband.rank()
     m1, m2 = _model(), _model()
     s1 = make_strategy("diloco", m1, _opt, outer=OUTER, **opts)
+    assert s1.period_steps == hs[r]  # type: ignore[attr-defined]
     for k in range(hs[r]):
         s1.train_step(lambda mod, k=k: _loss(mod, r, k))
     sd = copy.deepcopy(s1.state_dict())
@@ -319,3 +320,11 @@ def test_bad_auto_options_are_refused(opts: dict[str, object], message: str) -> 
 
     with pytest.raises(RankFailures, match=message):
         run_threads(fn, 1, timeout=60)
+
+
+def test_the_bench_refuses_inner_steps_auto_before_it_starts() -> None:
+    from lowband.bench.validate import check_fixed_steps
+
+    check_fixed_steps(["ddp", "diloco:inner_steps=20,fragments=auto,delay=1"])
+    with pytest.raises(InvalidArgumentError, match="inner_steps=auto"):
+        check_fixed_steps(["ddp", "diloco:inner_steps=auto,base_steps=20"])

@@ -143,6 +143,12 @@ class DiLoCoAuto:
             save_profile_atomic(prof, self.profile_path)
         self._choose_fragments(prof, self.group.size)
 
+    @property
+    def period_steps(self) -> int:
+        """This rank's inner steps in the current period (its machine's, with inner_steps=auto): a loop
+        over periods takes this many steps, so every machine reaches each exchange."""
+        return self.h
+
     def _own_steps(self) -> int:
         return self.inner_steps if self.machine_steps is None else self.machine_steps[self.machine_index]
 
