@@ -126,6 +126,17 @@ def test_auto_fragments_from_a_profile_train_as_the_chosen_split(n: int) -> None
         assert sa["extra"]["fragments"] == want_f.fragments  # type: ignore[index]
 
 
+def test_auto_fragments_under_inner_ddp_from_a_profile() -> None:
+    prof = _profile(1.0, 2.5 / 864)
+    base = {"inner_steps": 6, "delay": 1, "inner": "ddp"}
+    auto = run_threads(_run, 4, {**base, "fragments": "auto", "profile": prof}, 9, timeout=120, local_size=2)
+    f = auto[0][1]["fragments_chosen"]
+    fixed = run_threads(_run, 4, {**base, "fragments": f}, 9, timeout=120, local_size=2)
+    assert f > 1 and all(rep["fragments_chosen"] == f for _, rep, _ in auto)
+    for (pa, _, _), (pf, _, _) in zip(auto, fixed, strict=True):
+        assert pa == pf
+
+
 def _lazy(path: str) -> tuple[list[list[int]], list[float], list[float]]:
     """fragments=auto measured at the first step (saved to ``path``); a fresh run loading its checkpoint
     takes the split from it without profiling, and continues exactly."""
