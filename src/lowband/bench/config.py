@@ -119,10 +119,11 @@ class BenchConfig:
             return
         if not self.strategies:
             raise bad("give at least one strategy")
-        from lowband.bench.validate import check_strategy_specs, check_workload
+        from lowband.bench.validate import check_fixed_steps, check_strategy_specs, check_workload
 
         check_workload(self.workload)
         check_strategy_specs(self.strategies)
+        check_fixed_steps(self.strategies)
         if self.precision == "fp16":
             check_grad_scaling("lowband bench", self.strategies)
         if len(set(self.strategies)) != len(self.strategies):

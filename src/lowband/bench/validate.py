@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowband.errors import InvalidArgumentError
 from lowband.registry import Registry
 
 
@@ -37,6 +38,21 @@ def check_strategy_specs(specs: list[str], where: str = "lowband bench") -> None
         name, options = parse_strategy_spec(spec)
         STRATEGIES.get(name, where)
         check_strategy_options(name, options, f"{where}: strategy {name!r}")
+
+
+def check_fixed_steps(specs: list[str], where: str = "lowband bench") -> None:
+    """Strategies the bench's loop (the same number of steps on every rank) cannot run: ``diloco`` with
+    ``inner_steps=auto`` gives the machines different steps per period."""
+    from lowband.strategies import parse_strategy_spec
+
+    for spec in specs:
+        name, options = parse_strategy_spec(spec)
+        if name == "diloco" and str(options.get("inner_steps")) == "auto":
+            raise InvalidArgumentError(
+                f"{where}: strategy 'diloco' with inner_steps=auto gives the machines different numbers of "
+                "steps per period, and the bench runs one number of steps on every rank (not supported yet; "
+                "run it from a loop over periods of s.period_steps steps each, or give inner_steps=H)"
+            )
 
 
 def check_workload(name: str, where: str = "lowband bench") -> None:

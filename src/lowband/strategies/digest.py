@@ -215,7 +215,11 @@ def check_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
     saved = state.get("config")
     extra = state.get("extra")
     taken_at = extra.get("world_size") if isinstance(extra, Mapping) else None
-    values = {"steps": repr(state.get("steps")), "the world size it was taken at": repr(taken_at)}
+    clock = getattr(strategy, "checkpoint_clock", None)  # what equal saves share (default: the steps)
+    values = {
+        "steps": repr(state.get("steps") if clock is None else clock(state)),
+        "the world size it was taken at": repr(taken_at),
+    }
     if isinstance(saved, Mapping):
         values.update({str(k): str(v) for k, v in saved.items()})
     agree_values(

@@ -29,6 +29,11 @@ each rank averages its pseudo-gradient with its neighbours in a graph (BlueFog's
 ``dynamic-exp2`` changes the one peer at every exchange of a fragment) and steps its own copy of the
 global parameters, which then differ between ranks; full precision only.
 
+Automatic choices (:mod:`lowband.strategies.diloco_auto`): ``fragments=auto`` takes F and the split
+from DreamDDP's cost profile (the fewest fragments whose exchanges the ``delay`` steps' compute hides);
+``inner_steps=auto`` gives each machine the inner steps fitting the slowest machine's ``base_steps``
+period, and weights the outer average by each machine's steps (the samples it saw).
+
 The global parameters are taken at the first step (after the initial broadcast, so equal on every
 rank); they, the outer optimizers' state, the error-feedback memory, the inner step count and the
 exchanges in flight (completed and kept with the step they are due at) are in :meth:`state_dict`, so a
@@ -40,6 +45,7 @@ replaced the replicas (one fragment, no delay, ``alpha=0``).
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,14 +58,18 @@ from lowband.compress.specs import build_reducer, describe_reducer
 from lowband.decentral.neighbor import ineighbor_allreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.localsgd.fragments import check_delay, split_fragments, sync_offsets
+from lowband.localsgd.costmodel import CostProfile
+from lowband.localsgd.fragments import FragmentChoice, check_delay, split_fragments
+from lowband.localsgd.inner_budget import parse_machine_steps, sample_scales
 from lowband.optim.reducer import AllreduceReducer, ReduceContext, Unit
 from lowband.optim.stage import GradientStage
 from lowband.optim.units import model_units
 from lowband.runtime import current
 from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.diloco_auto import DiLoCoAuto
 from lowband.strategies.diloco_options import DEFAULT_OUTER, DILOCO_OPTIONS, parse_outer
 from lowband.strategies.registry import register_strategy
+from lowband.strategies.replay import ForwardReplay
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import TOPOLOGIES, build_topology, topology_label
 
@@ -70,7 +80,7 @@ from lowband.topology.names import TOPOLOGIES, build_topology, topology_label
     "(streamed in fragments, compressed with error feedback)",
     DILOCO_OPTIONS,
 )
-class DiLoCoStrategy(Strategy):
+class DiLoCoStrategy(DiLoCoAuto, Strategy):
     """See the module docstring."""
 
     name = "diloco"
@@ -84,9 +94,9 @@ class DiLoCoStrategy(Strategy):
         make_optimizer: OptimizerFactory,
         group: Group,
         *,
-        inner_steps: int = 50,
+        inner_steps: int | str = 50,
         outer: str = DEFAULT_OUTER,
-        fragments: int = 1,
+        fragments: int | str = 1,
         delay: int = 0,
         alpha: float = 0.0,
         topology: object = "none",
@@ -95,16 +105,31 @@ class DiLoCoStrategy(Strategy):
         reducer: str = "auto",
         memory: str = "residual",
         seed: int = 0,
+        base_steps: int = 50,
+        machine_steps: str | None = None,
+        profile: str | Path | CostProfile | None = None,
     ) -> None:
-        where = f"strategy 'diloco' on rank {group.rank}"
+        where = self.where = f"strategy 'diloco' on rank {group.rank}"
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [q for _, q in named]
+        self.auto_steps, self.auto_fragments = inner_steps == "auto", fragments == "auto"
+        #: H: every rank's inner steps per period (with inner_steps=auto: the slowest machine's)
+        self.inner_steps = base_steps if self.auto_steps else int(inner_steps)
+        self.delay, self.alpha = delay, float(alpha)
+        self.auto_log, self._step_seconds, self._step_began = [], [], None
+        self.fragment_choice: FragmentChoice | None = None
+        self.fragments: list[list[int]] = []  # none: fragments=auto has not chosen yet
+        self.offsets: list[int] = []
+        self.sent: list[int] = []
+        self.h = self.inner_steps  # this rank's inner steps in the current period
+        self.profile: CostProfile | None = None
         try:
-            self.fragments = split_fragments([q.numel() for _, q in named], fragments)
-            self.offsets = sync_offsets(fragments, inner_steps)
-            check_delay(delay, fragments, inner_steps)
+            if fragments != "auto":
+                self._set_fragments(split_fragments([q.numel() for q in self.params], int(fragments)))
+                check_delay(delay, int(fragments), self.inner_steps)
         except InvalidArgumentError as exc:
             raise InvalidArgumentError(f"{where}: {exc}") from None
-        self.inner_steps, self.delay, self.alpha = inner_steps, delay, float(alpha)
         self.outer_spec = outer
         self.outer_cls, self.outer_options = parse_outer(outer)
         self.reducer: CompressedReducer = build_reducer(compressor, reducer, memory, seed=seed, where=where)
@@ -117,6 +142,19 @@ class DiLoCoStrategy(Strategy):
             )
         ctx = current(where)
         self.inner = inner
+        self.local_size = ctx.local_size if inner == "ddp" else 1
+        #: this rank's machine: its index among the outer loop's participants
+        self.machine_index = group.rank // self.local_size
+        self.participants = participants = group.size // self.local_size
+        self.machine_steps: list[int] | None = None
+        if machine_steps is not None:
+            try:
+                self.machine_steps = parse_machine_steps(machine_steps, participants, self.inner_steps)
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(f"{where}: {exc}") from None
+        self.period_start = 0  # the inner step the current period began after
+        self.h = self._own_steps()
+        self._set_offsets()
         #: the group of the outer exchange (None: this rank receives the result from its machine's first)
         self.outer_group: Group | None = group
         self.machine: Group | None = None
@@ -138,8 +176,6 @@ class DiLoCoStrategy(Strategy):
             self.stage = GradientStage(
                 model_units(model, 25.0, 1.0), AllreduceReducer(), group=self.machine, where=where
             )
-        self.names = [n for n, _ in named]
-        self.params = [q for _, q in named]
         self.inner_done = 0
         self.outer_steps = 0
         self.global_params: list[nn.Parameter] | None = None  # θ, taken at the first step
@@ -147,14 +183,16 @@ class DiLoCoStrategy(Strategy):
         self.units: list[Unit] = []
         #: per fragment in flight: (the inner step it is applied at, the handle of the averaged pseudo-gradient)
         self.pending: dict[int, tuple[int, Handle[list[torch.Tensor]] | None]] = {}
-        self.sent = [0] * len(self.fragments)  # exchanges started, per fragment (the reducer's step)
+        self._replay: ForwardReplay | None = None
+        if fragments == "auto":
+            self._setup_auto_fragments(model, profile)
 
     def hparams(self) -> dict[str, Any]:
         d = describe_reducer(self.reducer)
         return {
-            "H": self.inner_steps,
+            "H": "auto" if self.auto_steps else self.inner_steps,
             "outer": self.outer_spec,
-            "fragments": len(self.fragments),
+            "fragments": "auto" if self.auto_fragments else len(self.fragments),
             "delay": self.delay,
             "alpha": self.alpha,
             "topology": self.topology_name,
@@ -181,22 +219,34 @@ class DiLoCoStrategy(Strategy):
             for k, frag in enumerate(self.fragments)
         ]
 
+    def begin_step(self) -> None:
+        super().begin_step()
+        self._mark_step()
+
     def apply_step(self) -> None:
+        if not self.fragments:
+            raise InvalidArgumentError(
+                f"{self.where}: fragments=auto has not chosen yet; the first training forward through s.module "
+                "profiles the model on its batch (or call train_step, or give profile=)"
+            )
         if self.global_params is None:
             self._take_global()
         if self.machine is not None:
             self.stage.wait()  # the machine's average in .grad
         super().apply_step()
+        self._clock_step()
         self.inner_done += 1
         for k in sorted(self.pending):
             if self.pending[k][0] == self.inner_done:
                 self._apply(k)
-        phase = self.inner_done % self.inner_steps
+        phase = self.inner_done - self.period_start
         for k, off in enumerate(self.offsets):
             if phase == off:
                 self._send(k)
                 if self.delay == 0:
                     self._apply(k)
+        if phase == self.h:
+            self._end_period()
 
     @torch.no_grad()
     def _send(self, k: int) -> None:
@@ -206,6 +256,9 @@ class DiLoCoStrategy(Strategy):
             self.nonfinite.settle()  # every earlier non-finite agreement read before an exchange
         frag = self.fragments[k]
         deltas = [self.global_params[i].detach() - self.params[i].detach() for i in frag]
+        if self.machine_steps is not None:  # weighted by the samples of each machine's period
+            scale = sample_scales(self.machine_steps)[self.machine_index]
+            deltas = [d.mul_(scale) for d in deltas]
         handle: Handle[list[torch.Tensor]] | None = None
         if self.outer_group is None:
             pass  # inner=ddp, not the machine's first rank: the result comes by broadcast when applied
@@ -263,15 +316,23 @@ class DiLoCoStrategy(Strategy):
             self.stage.wait()
 
     def close(self) -> None:
+        if self._replay is not None:
+            self._replay.remove()
         if self.machine is not None:
             self.stage.remove_hooks()
 
     def in_sync(self) -> bool:
         whole = len(self.fragments) == 1 and self.delay == 0 and self.alpha == 0.0 and self.topology is None
-        return whole and self.inner_done > 0 and self.inner_done % self.inner_steps == 0
+        return whole and self.inner_done > 0 and self.inner_done == self.period_start
 
     def report(self) -> dict[str, Any]:
-        return {**super().report(), "outer_steps": self.outer_steps}
+        return {
+            **super().report(),
+            "outer_steps": self.outer_steps,
+            "fragments_chosen": len(self.fragments),
+            "machine_steps": self.machine_steps,
+            "auto": list(self.auto_log),
+        }
 
     # -- state ------------------------------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
@@ -289,13 +350,22 @@ class DiLoCoStrategy(Strategy):
             "outers": [o.state_dict() for o in self.outers],
             "reducer": self.reducer.state_dict(),
             "pending": pending,
+            "fragments": [list(f) for f in self.fragments],
+            "period_start": self.period_start,
+            "h": self.h,
+            "machine_steps": self.machine_steps,
+            "step_seconds": list(self._step_seconds),
+            "auto_log": list(self.auto_log),
         }
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         where = f"strategy 'diloco' on rank {self.group.world_rank}"
+        self._load_auto_state(where, state)
         self.inner_done = int(state.get("inner_done", 0))
         self.outer_steps = int(state.get("outer_steps", 0))
         self.sent = [int(x) for x in state.get("sent", [self.outer_steps] * len(self.fragments))]
+        h = self.h
+        self.period_start = int(state.get("period_start", self.inner_done - self.inner_done % h))
         if "reducer" in state:
             self.reducer.load_state_dict(state["reducer"])
         glob = state.get("global")

@@ -119,7 +119,11 @@ class GradientPolicies:
                 f"{where}: strategy {self.name!r} cannot skip a step: {reason}; use on_nonfinite='raise'"
             )
         self.nonfinite = NonFiniteGuard(
-            policy, self.group, where=where, step=lambda: self.steps, channel=self.nonfinite_channel()
+            policy,
+            self.nonfinite_group(),
+            where=where,
+            step=lambda: self.steps,
+            channel=self.nonfinite_channel(),
         )
         for stage in self.gradient_stages():
             self.nonfinite.attach(stage)
@@ -135,6 +139,11 @@ class GradientPolicies:
             return False
         trainable = {id(p) for p in self.local_module.parameters() if p.requires_grad}
         return trainable <= guard.covered()
+
+    def nonfinite_group(self) -> Group:
+        """The ranks that step together and so agree on their gradients' finiteness every step: the
+        strategy's group (a strategy whose ranks take different numbers of steps narrows it)."""
+        return self.group
 
     def nonfinite_channel(self) -> Group | None:
         """A private group to agree the non-finite flags on, for strategies whose data group another
