@@ -40,7 +40,8 @@ replaced the replicas (one fragment, no delay, ``alpha=0``).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -62,6 +63,11 @@ from lowband.strategies.diloco_options import DEFAULT_OUTER, DILOCO_OPTIONS, par
 from lowband.strategies.registry import register_strategy
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import TOPOLOGIES, build_topology, topology_label
+
+if TYPE_CHECKING:
+    from lowband.plan.links import Links
+    from lowband.plan.prediction import Prediction
+    from lowband.plan.profile import PlanProfile
 
 
 @register_strategy(
@@ -148,6 +154,14 @@ class DiLoCoStrategy(Strategy):
         #: per fragment in flight: (the inner step it is applied at, the handle of the averaged pseudo-gradient)
         self.pending: dict[int, tuple[int, Handle[list[torch.Tensor]] | None]] = {}
         self.sent = [0] * len(self.fragments)  # exchanges started, per fragment (the reducer's step)
+
+    plan_grid = ("inner_steps=5", "inner_steps=20")
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models
+
+        return models.diloco(profile, links, options)
 
     def hparams(self) -> dict[str, Any]:
         d = describe_reducer(self.reducer)
