@@ -65,3 +65,6 @@ def test_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "no model" in printed and chosen in printed
     assert f"`{chosen}`" in (out / "plan.md").read_text()
     assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    measured = plan["profile"]["operations"]  # fp16 measured once, on this machine, with its exact bytes
+    fp16 = [op for op in measured if op.get("compressor") == "fp16"]
+    assert len(fp16) == 1 and fp16[0]["payload_bytes"] == 2 * fp16[0]["numel"]

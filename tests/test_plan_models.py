@@ -157,6 +157,7 @@ def test_world_of_one_is_compute_only() -> None:
 def test_no_model_and_ranking() -> None:
     assert predict_spec("atc", profile(), LINKS) is None  # the protocol's default
     assert predict_spec("ddp-sparse", profile(), LINKS) is None  # overridden: sparse gradients
+    assert predict_spec("ddp:accumulate=2", profile(), LINKS) is None  # the models are of one pass per step
     plan = make_plan(["atc", "ddp", "localsgd:period=5", "powersgd:rank=2"], profile(), LINKS)
     assert [e.spec for e in plan] == ["localsgd:period=5", "powersgd:rank=2", "ddp", "atc"]
     assert recommend(plan, Acceptance()) == "localsgd:period=5"

@@ -80,10 +80,10 @@ def predict_spec(
 
     name, given = parse_strategy_spec(spec)
     factory = STRATEGIES.get(name, where)
-    own, _ = check_strategy_options(name, given, f"{where}: strategy {name!r}")
+    own, common = check_strategy_options(name, given, f"{where}: strategy {name!r}")
     options = {**STRATEGIES.options(name).defaults(), **own}
     predict = getattr(factory, "predict", None)
-    if predict is None:
+    if predict is None or common.get("accumulate", 1) != 1:  # the models are of one pass per step
         return None
     out: Prediction | None = predict(profile, links, options)
     return out

@@ -76,6 +76,17 @@ class OpCosts:
         out: CompressorCost = self.cache[key]
         return out
 
+    def to_json(self) -> list[dict[str, Any]]:
+        """What was measured: each compressor on each unit size, PowerSGD's products per rank."""
+        out: list[dict[str, Any]] = []
+        for key, v in self.cache.items():
+            if key[0] == "compressor":
+                out.append({"compressor": key[1], "numel": key[2], "compress_ms": v.compress_s * 1e3,
+                            "decompress_ms": v.decompress_s * 1e3, "payload_bytes": v.nbytes})  # fmt: skip
+            else:
+                out.append({"powersgd_rank": key[2], "matrices": len(key[1]), "products_ms": v * 1e3})
+        return out
+
     def powersgd(self, shapes: tuple[tuple[int, int], ...], rank: int) -> float:
         """Seconds of PowerSGD's products on matrices of ``shapes`` at ``rank``: ``P = M Q``, the
         orthogonalisation of ``P``, ``Q = M^T P`` and the decompression ``P Q^T`` (torch's hook's work)."""
@@ -133,6 +144,7 @@ class PlanProfile:
             "compute_scale": self.ops.scale,
             "parameter_bytes": self.total_bytes,
             "layers": [lc.to_json() for lc in self.cost.layers],
+            "operations": self.ops.to_json(),
         }
 
 
