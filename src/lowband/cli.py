@@ -1,4 +1,4 @@
-"""The ``lowband`` command: run, bench, demo, testbed, version."""
+"""The ``lowband`` command: run, bench, demo, plan, testbed, version."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 def _parser() -> argparse.ArgumentParser:
     from lowband.bench.cli import add_parsers
+    from lowband.plan.cli import add_parser as add_plan
     from lowband.run_cli import OneLineParser
     from lowband.testbed.cli import add_parser as add_testbed
 
@@ -22,6 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("rest", nargs=argparse.REMAINDER, help="see lowband run --help")
     add_parsers(sub)
+    add_plan(sub)
     add_testbed(sub)
     sub.add_parser("version", help="print the version")
     return p
@@ -46,9 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(lowband.__version__)
         return 0
     from lowband.bench.cli import main_bench, main_demo
+    from lowband.plan.cli import main as plan_main
     from lowband.testbed.cli import main as testbed_main
 
-    commands = {"bench": main_bench, "demo": main_demo, "testbed": testbed_main}
+    commands = {"bench": main_bench, "demo": main_demo, "plan": plan_main, "testbed": testbed_main}
     return commands[ns.cmd](ns)
 
 

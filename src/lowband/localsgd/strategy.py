@@ -49,8 +49,9 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -76,6 +77,11 @@ from lowband.options import Opt, Options, Rule
 from lowband.strategies.base import LossFn, OptimizerFactory
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.replay import ForwardReplay
+
+if TYPE_CHECKING:
+    from lowband.plan.links import Links
+    from lowband.plan.prediction import Prediction
+    from lowband.plan.profile import PlanProfile
 
 DEFAULT_PERIOD = 5
 
@@ -266,6 +272,16 @@ class PartialSyncStrategy(ScheduledStrategy):
         """True when the last step averaged every layer (H = 1, or ``full`` at the end of a period)."""
         s = self.schedule
         return s is not None and self.steps > 0 and len(s.layers_at(self.steps - 1)) == self.averager.n
+
+    plan_grid = ("period=5", "period=20")
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models
+
+        return models.dreamddp(
+            profile, links, options, method=cls.method, split=cls.default_split, period=DEFAULT_PERIOD
+        )
 
     # -- reports and checkpoints ------------------------------------------------------------------
     def hparams(self) -> dict[str, Any]:

@@ -62,7 +62,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -73,6 +73,11 @@ from lowband.group import Group
 from lowband.nn.sharding import ShardSpec, gather_full, shard_specs
 from lowband.strategies import checkpoint, digest, sharded_state
 from lowband.strategies.gradient_policy import GradientPolicies
+
+if TYPE_CHECKING:
+    from lowband.plan.links import Links
+    from lowband.plan.prediction import Prediction
+    from lowband.plan.profile import PlanProfile
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module], torch.Tensor]
@@ -295,6 +300,17 @@ class Strategy(GradientPolicies):
         model), which is returned."""
         into.load_state_dict(self.average_state_dict())
         return into
+
+    # -- the cost model (lowband plan) -----------------------------------------------------------------
+    #: the settings ``lowband plan`` predicts by default, each ``key=value,...`` ("": the defaults)
+    plan_grid: ClassVar[tuple[str, ...]] = ("",)
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        """This strategy's predicted step (:class:`lowband.plan.prediction.Prediction`) on the workload
+        ``profile`` over ``links`` with ``options`` (every option of the strategy, defaults filled in);
+        pure, talks to no rank. None (the default): no model."""
+        return None
 
     # -- reports and checkpoints ------------------------------------------------------------------
     def hparams(self) -> dict[str, Any]:

@@ -23,7 +23,8 @@ unit before the compressor and memory see it (:class:`~lowband.strategies.stage.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -34,8 +35,13 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.units import BUCKET_OPTIONS
 from lowband.strategies.base import OptimizerFactory
-from lowband.strategies.registry import register_strategy
+from lowband.strategies.registry import modelled_as, register_strategy
 from lowband.strategies.stage import StageStrategy
+
+if TYPE_CHECKING:
+    from lowband.plan.links import Links
+    from lowband.plan.prediction import Prediction
+    from lowband.plan.profile import PlanProfile
 
 
 class CompressedStrategy(StageStrategy):
@@ -64,6 +70,19 @@ class CompressedStrategy(StageStrategy):
         )
         if isinstance(reducer.memory, DGCMemory):  # the same on every rank: no rank is left waiting
             check_optimizer(self.optimizer)
+
+    plan_grid = (
+        "compressor=topk:ratio=0.01",
+        "compressor=topk:ratio=0.1",
+        "compressor=fp16",
+        "compressor=qsgd",
+    )
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models
+
+        return models.compressed(profile, links, options)
 
     def hparams(self) -> dict[str, Any]:
         d = describe_reducer(self.reducer)
@@ -122,6 +141,7 @@ class CompressedStrategy(StageStrategy):
     "(compressor=SPEC, reducer=auto|TRANSPORT, memory=residual|none|dgc, bucket_mb, seed)",
     REDUCER_OPTIONS | BUCKET_OPTIONS,
 )
+@modelled_as(CompressedStrategy)
 def compressed(
     model: nn.Module,
     make_optimizer: OptimizerFactory,

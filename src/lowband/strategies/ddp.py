@@ -37,9 +37,9 @@ before PowerSGD's memory sees it and the ranks agree on the flag every step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -59,6 +59,11 @@ from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.replay import ForwardReplay
 from lowband.strategies.torchcomm import comm_errors
+
+if TYPE_CHECKING:
+    from lowband.plan.links import Links
+    from lowband.plan.prediction import Prediction
+    from lowband.plan.profile import PlanProfile
 
 #: torch's own stateless DDP comm hooks that work on gloo (``ddp:hook=fp16``); bf16_compress_hook fails
 #: on gloo in torch 2.13
@@ -187,6 +192,12 @@ class DDPStrategy(Strategy):
         # DDP reads it in this forward: whether the coming backward reduces (accumulate; the rebucketing
         # pass always does)
         self.ddp.require_backward_grad_sync = self.syncing or self._replay.running
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models
+
+        return models.ddp(profile, links, options)
 
     def hparams(self) -> dict[str, Any]:
         return {"bucket_cap_mb": self.bucket_cap_mb, **({"hook": self.hook} if self.hook != "none" else {})}
@@ -337,6 +348,14 @@ class PowerSGDStrategy(DDPStrategy):
         self._hook_state = _ScaledPowerSGD(self.state)
         self.ddp.register_comm_hook(self._hook_state, _scaled_powersgd_hook)
         self._pending: dict[str, Any] | None = None  # checkpointed hook state, applied after _rebucket
+
+    plan_grid = ("rank=1", "rank=2", "rank=4")
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models
+
+        return models.powersgd(profile, links, options)
 
     def hparams(self) -> dict[str, Any]:
         return {"rank": self.rank, "start_iter": self.start_iter}

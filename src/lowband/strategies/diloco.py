@@ -45,8 +45,9 @@ replaced the replicas (one fragment, no delay, ``alpha=0``).
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -72,6 +73,11 @@ from lowband.strategies.registry import register_strategy
 from lowband.strategies.replay import ForwardReplay
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import TOPOLOGIES, build_topology, topology_label
+
+if TYPE_CHECKING:
+    from lowband.plan.links import Links
+    from lowband.plan.prediction import Prediction
+    from lowband.plan.profile import PlanProfile
 
 
 @register_strategy(
@@ -186,6 +192,14 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
         self._replay: ForwardReplay | None = None
         if fragments == "auto":
             self._setup_auto_fragments(model, profile)
+
+    plan_grid = ("inner_steps=5", "inner_steps=20")
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models
+
+        return models.diloco(profile, links, options)
 
     def hparams(self) -> dict[str, Any]:
         d = describe_reducer(self.reducer)

@@ -269,6 +269,11 @@ class DDPSparseStrategy(DDPStrategy):
     name = "ddp-sparse"
     carry_nonfinite = False  # sparse buckets: DDP's own path, the flags agreed
 
+    @classmethod
+    def predict(cls, profile: Any, links: Any, options: Any) -> None:
+        """No model: DDP's dense byte model does not apply to sparse gradients."""
+        return None
+
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, bucket_cap_mb: float = 25.0
     ) -> None:

@@ -7,7 +7,8 @@ torch's ``PeriodicModelAverager`` averages all parameters (one flattened allredu
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
@@ -18,6 +19,11 @@ from lowband.options import Opt, Options
 from lowband.strategies.base import OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.torchcomm import comm_errors
+
+if TYPE_CHECKING:
+    from lowband.plan.links import Links
+    from lowband.plan.prediction import Prediction
+    from lowband.plan.profile import PlanProfile
 
 
 @register_strategy(
@@ -47,6 +53,14 @@ class LocalSGDStrategy(Strategy):
         inner = make_optimizer(model.parameters())
         # PostLocalSGDOptimizer.step() = inner.step() + averager.average_parameters(params)
         super().__init__(model, PostLocalSGDOptimizer(inner, self.averager), group)
+
+    plan_grid = ("period=5", "period=20")
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models
+
+        return models.localsgd(profile, links, options)
 
     def hparams(self) -> dict[str, Any]:
         return {"H": self.period}

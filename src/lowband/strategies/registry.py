@@ -48,6 +48,19 @@ def register_strategy(
     return STRATEGIES.registering(name, description, options)
 
 
+def modelled_as(cls: type[Strategy]) -> Callable[[StrategyFactory], StrategyFactory]:
+    """Decorator of a function factory building ``cls``: the factory carries ``cls``'s cost model
+    (:meth:`Strategy.predict`, :attr:`Strategy.plan_grid`), which ``lowband plan`` reads from the
+    registered factory (a class factory has them itself; a function without them has no model)."""
+
+    def deco(factory: StrategyFactory) -> StrategyFactory:
+        setattr(factory, "predict", cls.predict)  # noqa: B010 (a function's attribute, not a class's)
+        setattr(factory, "plan_grid", cls.plan_grid)  # noqa: B010
+        return factory
+
+    return deco
+
+
 def check_strategy_options(
     name: str, options: dict[str, Any], where: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:

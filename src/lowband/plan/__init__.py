@@ -1,0 +1,12 @@
+"""``lowband plan``: predicted iteration time of every strategy on a workload and links (pure maths on a
+profile measured once on this machine; no rank is contacted). See docs/ARCHITECTURE.md."""
+
+from lowband.plan.links import Links, links_from_layout
+from lowband.plan.planner import Acceptance, Entry, default_specs, make_plan, predict_spec, recommend
+from lowband.plan.prediction import Prediction
+from lowband.plan.profile import PlanProfile, measure_profile
+
+__all__ = [
+    "Acceptance", "Entry", "Links", "PlanProfile", "Prediction", "default_specs", "links_from_layout",
+    "make_plan", "measure_profile", "predict_spec", "recommend",
+]  # fmt: skip

@@ -1,0 +1,151 @@
+"""``lowband plan``: predict every strategy's iteration time on a workload and links, rank them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lowband.errors import InvalidArgumentError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "plan",
+        help="predict each strategy's iteration time on your model and links, and recommend one",
+        description="Profiles the workload once on this machine (per-layer forward/backward, optimizer "
+        "step, compressors) and predicts, for every strategy spec, the iteration time over the links "
+        "given (--rate/--rates as lowband bench). Writes plan.json, plan.md and plan.png to --out.",
+    )
+    p.add_argument("-w", "--workload", default="fmnist-cnn", help="a registered workload or module:factory")
+    p.add_argument(
+        "-s", "--strategies", default=None,
+        help="specs separated by '+' (default: every registered strategy over a grid of its settings)",
+    )  # fmt: skip
+    p.add_argument("-n", "--world-size", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--rate", default=None, help="per-rank link rate, e.g. 100mbit (or --rates)")
+    p.add_argument("--rates", default=None, help="heterogeneous: one rate per machine, comma separated")
+    p.add_argument("--ranks-per-machine", type=int, default=1, help="two-tier layout: ranks per machine")
+    p.add_argument("--intra-rate", default=None, help="rate inside a machine (two-tier; default unshaped)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per machine link")
+    p.add_argument("--batch-size", type=int, default=None, help="batch per rank (default: the workload's)")
+    p.add_argument(
+        "--shared-cores", type=int, default=0,
+        help="the ranks share this many cores of this machine (lowband's testbed: the machine's cores): "
+        "computation predicted max(1, ranks / cores) times slower (default 0: a machine per rank)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-local-steps", type=int, default=None, help="recommend nothing with more local steps"
+    )
+    p.add_argument("--max-compression", type=float, default=None, help="recommend nothing compressing more")
+    p.add_argument("--max-staleness", type=int, default=None, help="recommend nothing staler (steps)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and batch (default 0)")
+    p.add_argument("--out", default=None, help="output folder (default results/plan-<time>)")
+
+
+def _layout(ns: argparse.Namespace) -> Any:
+    from lowband.run_cli import rate_arg
+    from lowband.testbed.links import build_layout
+
+    if ns.rate is not None and ns.rates is not None:
+        raise InvalidArgumentError("lowband plan: give the links once: --rate or --rates, not both")
+    if ns.rate is None and ns.rates is None:
+        raise InvalidArgumentError("lowband plan: give the links' rate: --rate (e.g. 100mbit) or --rates")
+    try:
+        rate = rate_arg(ns.rate) if ns.rate is not None else None
+        rates = [rate_arg(r) for r in ns.rates.split(",")] if ns.rates is not None else None
+        intra = rate_arg(ns.intra_rate) if ns.intra_rate is not None else None
+    except argparse.ArgumentTypeError as e:
+        raise InvalidArgumentError(f"lowband plan: {e}") from e
+    return build_layout(
+        ns.world_size, rate=rate, rates=rates, ranks_per_machine=ns.ranks_per_machine,
+        intra_rate=intra, delay_ms=ns.delay_ms, where="lowband plan",
+    )  # fmt: skip
+
+
+def _check_numbers(ns: argparse.Namespace) -> None:
+    for what, v, lo in (
+        ("--batch-size", ns.batch_size, 1),
+        ("--shared-cores", ns.shared_cores, 0),
+        ("--max-local-steps", ns.max_local_steps, 1),
+        ("--max-staleness", ns.max_staleness, 0),
+    ):
+        if v is not None and v < lo:
+            raise InvalidArgumentError(f"lowband plan: {what} must be >= {lo}, got {v}")
+    if ns.max_compression is not None and not ns.max_compression >= 1:
+        raise InvalidArgumentError(f"lowband plan: --max-compression must be >= 1, got {ns.max_compression}")
+
+
+def main(ns: argparse.Namespace) -> int:
+    from lowband.bench.cli import _user_errors
+
+    return _user_errors("plan", _plan, ns)
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from lowband.bench.validate import check_workload
+    from lowband.plan import planner, report
+    from lowband.plan.links import links_from_layout
+    from lowband.plan.profile import measure_profile
+
+    # every argument checked before anything runs
+    _check_numbers(ns)
+    check_workload(ns.workload, "lowband plan")
+    specs = ns.strategies.split("+") if ns.strategies else planner.default_specs()
+    planner.check_specs(specs)
+    layout = _layout(ns)
+    links = links_from_layout(layout)
+    accept = planner.Acceptance(ns.max_local_steps, ns.max_compression, ns.max_staleness)
+    scale = max(1.0, ns.world_size / ns.shared_cores) if ns.shared_cores else 1.0
+    out = Path(ns.out or Path("results") / f"plan-{time.strftime('%Y%m%d-%H%M%S')}")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each bench rank computes
+    started = time.perf_counter()
+    bar = tqdm(total=4 + len(specs), desc="lowband plan", unit="step", file=sys.stderr)
+    try:
+
+        def say(what: str) -> None:
+            bar.set_postfix_str(what)
+            bar.update(1)
+
+        profile = measure_profile(
+            ns.workload, batch_size=ns.batch_size, seed=ns.seed, compute_scale=scale, progress=say
+        )
+        entries = []
+        for spec in specs:
+            bar.set_postfix_str(spec)
+            entries.append(planner.Entry(spec, planner.predict_spec(spec, profile, links)))
+            bar.update(1)
+        ranked = planner.make_plan_from(entries)
+        bar.set_postfix_str("done")
+        bar.update(1)
+    finally:
+        bar.close()
+        torch.set_num_threads(threads)
+    recommended = planner.recommend(ranked, accept)
+    plan = {
+        "workload": ns.workload,
+        "world_size": ns.world_size,
+        "links": {
+            "label": links.label,
+            "bandwidth_bytes_s": links.bandwidth,
+            "latency_s": links.latency,
+            "ranks_per_machine": ns.ranks_per_machine,
+        },
+        "profile": profile.to_json(),
+        "acceptance": {k: v for k, v in vars(accept).items()},
+        "recommended": recommended,
+        "strategies": [e.to_json() for e in ranked],
+        "plan_seconds": time.perf_counter() - started,
+    }
+    paths = report.write(out, plan, ranked)
+    print(report.terminal_table(ranked, recommended))
+    print(f"recommended: {recommended or 'none (no modelled strategy is accepted)'}")
+    print("written: " + "  ".join(str(p) for p in paths))
+    return 0

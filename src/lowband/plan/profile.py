@@ -1,0 +1,210 @@
+"""What the planner measures on this machine, once per ``lowband plan``: the workload's layer profile
+and the cost of the operations strategies put on the critical path.
+
+- Layers: DreamDDP's profiler (:func:`~lowband.localsgd.profiler.profile_model`) in a world of one, on one
+  batch of the workload at its per-rank batch size (the CLI runs it on one torch thread, as each bench
+  rank runs): per-layer
+  forward and backward seconds and bytes, forward order. No links are measured (``comm = 0``): the
+  planner adds them from its link model (:func:`~lowband.localsgd.profiler.with_comm`).
+- The optimizer step: the workload's optimizer stepped on the model's gradients (median of a few).
+- ``compute_scale``: ranks sharing this machine's cores (the testbed runs every rank here) compute that
+  many times slower; every computed second of the profile is multiplied by it (1: a rank per machine).
+- Operations (:class:`OpCosts`): compressors' compress/decompress seconds and exact payload bytes on a
+  seeded Gaussian tensor of each size asked, PowerSGD's matrix products at a rank; each measured the
+  first time it is asked for and kept for the rest of the plan.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lowband.errors import InvalidArgumentError
+from lowband.localsgd.costmodel import CostProfile, LayerCost
+from lowband.optim.layerwise import parameter_layers
+
+Shape = tuple[int, ...]
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+@dataclass(frozen=True)
+class CompressorCost:
+    """One compressor on one unit size: seconds to compress, to decompress one payload, and its bytes."""
+
+    compress_s: float
+    decompress_s: float
+    nbytes: int
+
+
+@dataclass
+class OpCosts:
+    """Measured operation costs, each measured once (module doc); ``scale`` multiplies every time."""
+
+    scale: float = 1.0
+    cache: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+
+    def compressor(self, spec: str, numel: int) -> CompressorCost:
+        """``spec`` (a compressor spec) on a flat float32 tensor of ``numel`` elements."""
+        key = ("compressor", spec, numel)
+        if key not in self.cache:
+            from lowband.compress import CompressContext, make_compressor
+
+            comp = make_compressor(spec)
+            gen = torch.Generator().manual_seed(numel)
+            x = torch.randn(max(1, numel), generator=gen)
+            ctx = CompressContext("plan", 1)
+            payload = comp.compress(x, ctx)
+            c = median_seconds(lambda: comp.compress(x, ctx))
+            d = median_seconds(lambda: comp.decompress(payload, ctx))
+            self.cache[key] = CompressorCost(c * self.scale, d * self.scale, payload.nbytes)
+        out: CompressorCost = self.cache[key]
+        return out
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """What was measured: each compressor on each unit size, PowerSGD's products per rank."""
+        out: list[dict[str, Any]] = []
+        for key, v in self.cache.items():
+            if key[0] == "compressor":
+                out.append({"compressor": key[1], "numel": key[2], "compress_ms": v.compress_s * 1e3,
+                            "decompress_ms": v.decompress_s * 1e3, "payload_bytes": v.nbytes})  # fmt: skip
+            else:
+                out.append({"powersgd_rank": key[2], "matrices": len(key[1]), "products_ms": v * 1e3})
+        return out
+
+    def powersgd(self, shapes: tuple[tuple[int, int], ...], rank: int) -> float:
+        """Seconds of PowerSGD's products on matrices of ``shapes`` at ``rank``: ``P = M Q``, the
+        orthogonalisation of ``P``, ``Q = M^T P`` and the decompression ``P Q^T`` (torch's hook's work)."""
+        key = ("powersgd", shapes, rank)
+        if key not in self.cache:
+            gen = torch.Generator().manual_seed(rank)
+            ms = [torch.randn(n, m, generator=gen) for n, m in shapes]
+            qs = [torch.randn(m, min(rank, n, m), generator=gen) for n, m in shapes]
+
+            def run() -> None:
+                for mat, q in zip(ms, qs):
+                    p = mat @ q
+                    p, _ = torch.linalg.qr(p)
+                    q2 = mat.t() @ p
+                    mat.copy_(p @ q2.t())
+
+            self.cache[key] = median_seconds(run) * self.scale
+        out: float = self.cache[key]
+        return out
+
+
+@dataclass(frozen=True)
+class PlanProfile:
+    """A workload measured for planning (module doc): ``cost`` has ``comm = 0`` on every layer."""
+
+    workload: str
+    batch_size: int
+    cost: CostProfile
+    shapes: tuple[tuple[Shape, ...], ...]
+    elem_sizes: tuple[int, ...]
+    step_s: float
+    ops: OpCosts = field(default_factory=OpCosts, compare=False)
+
+    @property
+    def compute_s(self) -> float:
+        """One local iteration without communication: forward, backward, optimizer step."""
+        return self.cost.fwd_total + self.cost.bwd_total + self.step_s
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(lc.nbytes for lc in self.cost.layers)
+
+    @property
+    def numels(self) -> tuple[int, ...]:
+        return tuple(lc.nbytes // es if es else 0 for lc, es in zip(self.cost.layers, self.elem_sizes))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "batch_size": self.batch_size,
+            "compute_ms": self.compute_s * 1e3,
+            "forward_ms": self.cost.fwd_total * 1e3,
+            "backward_ms": self.cost.bwd_total * 1e3,
+            "step_ms": self.step_s * 1e3,
+            "compute_scale": self.ops.scale,
+            "parameter_bytes": self.total_bytes,
+            "layers": [lc.to_json() for lc in self.cost.layers],
+            "operations": self.ops.to_json(),
+        }
+
+
+def scaled(cost: CostProfile, factor: float) -> CostProfile:
+    """``cost`` with every layer's forward and backward seconds multiplied by ``factor``."""
+    layers = tuple(
+        LayerCost(lc.name, lc.fwd * factor, lc.bwd * factor, lc.comm, lc.nbytes) for lc in cost.layers
+    )
+    return CostProfile(layers, cost.alpha, cost.beta, cost.kappa, cost.sigma)
+
+
+def measure_profile(
+    workload: str,
+    *,
+    batch_size: int | None = None,
+    seed: int = 0,
+    compute_scale: float = 1.0,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> PlanProfile:
+    """Profile ``workload`` (a registered name or ``module:factory``) in this process (module doc)."""
+    import lowband
+    from lowband.bench.workloads import get_workload
+    from lowband.localsgd.profiler import profile_model
+    from lowband.runtime import is_initialized
+
+    if not compute_scale >= 1.0:
+        raise InvalidArgumentError(f"measure_profile: compute_scale must be >= 1, got {compute_scale!r}")
+    say = progress or (lambda _: None)
+    say("building the model")
+    w = get_workload(workload)
+    bs = batch_size or w.default_batch_size
+    model = w.build_model(seed=seed)
+    batch = next(iter(w.batches(0, 1, bs, seed)))
+    layers = parameter_layers(model)
+    say("profiling the layers")
+    started = is_initialized()
+    if not started:
+        lowband.init()  # a world of one: the profiler's collectives are no-ops
+    try:
+        cost = profile_model(model, lambda m: w.loss(m, batch), repeats=repeats, interference=False)
+    finally:
+        if not started:
+            lowband.shutdown()
+    say("timing the optimizer step")
+    opt = w.make_optimizer(model.parameters())
+    w.loss(model, batch).backward()  # type: ignore[no-untyped-call]
+    step_s = median_seconds(opt.step, repeats=repeats)
+    by_name = dict(layers)
+    shapes = tuple(tuple(tuple(p.shape) for p in by_name[lc.name]) for lc in cost.layers)
+    elem = tuple(
+        by_name[lc.name][0].element_size() if len({p.dtype for p in by_name[lc.name]}) == 1 else 0
+        for lc in cost.layers
+    )
+    return PlanProfile(
+        workload=workload,
+        batch_size=bs,
+        cost=scaled(cost, compute_scale),
+        shapes=shapes,
+        elem_sizes=elem,
+        step_s=step_s * compute_scale,
+        ops=OpCosts(scale=compute_scale),
+    )
