@@ -247,8 +247,7 @@ class Strategy(GradientPolicies):
     def synchronize(self) -> None:
         """Finish all in-flight communication (between steps by default only the local-step strategies'
         non-finite agreements, :mod:`lowband.optim.nonfinite`)."""
-        if self.nonfinite is not None:
-            self.nonfinite.settle()
+        self.settle_nonfinite("synchronize()")
 
     def lookahead(self, ids: Mapping[str, torch.Tensor]) -> None:
         """After a step: the ids each embedding table (by module name) will be called on in the next
@@ -350,8 +349,7 @@ class Strategy(GradientPolicies):
                 f"{type(self).__name__}.state_dict on rank {self.group.world_rank}: {self._passes} of "
                 f"{self.accumulate} backward passes of the step are accumulated; save after step()"
             )
-        if self.nonfinite is not None:
-            self.nonfinite.settle()  # local steps: a non-finite gradient of the last step is raised first
+        self.settle_nonfinite("state_dict()")  # local steps: a non-finite gradient is raised first
         state = {
             "strategy": self.name,
             "steps": self.steps,

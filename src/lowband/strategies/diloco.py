@@ -266,8 +266,7 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
     def _send(self, k: int) -> None:
         """Start averaging fragment ``k``'s pseudo-gradient (compressed, if so configured)."""
         assert self.global_params is not None
-        if self.nonfinite is not None:
-            self.nonfinite.settle()  # every earlier non-finite agreement read before an exchange
+        self.settle_nonfinite("an outer exchange")
         frag = self.fragments[k]
         deltas = [self.global_params[i].detach() - self.params[i].detach() for i in frag]
         if self.machine_steps is not None:  # weighted by the samples of each machine's period

@@ -158,6 +158,20 @@ class GradientPolicies:
         found = [getattr(o, "stage", None) for o in owners]
         return [s for i, s in enumerate(found) if isinstance(s, GradientStage) and s not in found[:i]]
 
+    def settle_nonfinite(self, where: str) -> None:
+        """Local steps: read every non-finite agreement still in flight (:meth:`NonFiniteGuard.settle`),
+        before ``where`` (an exchange, ``synchronize``, ``state_dict``); a dead peer met there is named
+        as the step's check names it."""
+        if self.nonfinite is None:
+            return
+        try:
+            self.nonfinite.settle()
+        except (CommFailedError, CommTimeoutError) as exc:
+            raise type(exc)(
+                f"strategy {self.name!r}: the non-finite agreements read before {where} at step {self.steps} "
+                f"on rank {self.group.world_rank}: {exc}"
+            ) from exc
+
     def check_nonfinite(self) -> bool:
         """Before stepping, once per step, on every rank: the gradients' finiteness agreed (one tiny
         allreduce and one host read); raises :class:`~lowband.errors.NonFiniteError` on every rank

@@ -67,8 +67,8 @@ class LocalSGDStrategy(Strategy):
 
     def apply_step(self) -> None:
         with comm_errors(self.name, "step (model averaging)", self.group):
-            if self.nonfinite is not None and self.averager.step % self.period == 0:
-                self.nonfinite.settle()  # every earlier agreement read before an averaging (no warm-up)
+            if self.averager.step % self.period == 0:  # an averaging in this step (no warm-up)
+                self.settle_nonfinite("the model averaging")
             super().apply_step()
 
     def in_sync(self) -> bool:
