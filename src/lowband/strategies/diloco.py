@@ -37,7 +37,9 @@ period, and weights the outer average by each machine's steps (the samples it sa
 The global parameters are taken at the first step (after the initial broadcast, so equal on every
 rank); they, the outer optimizers' state, the error-feedback memory, the inner step count and the
 exchanges in flight (completed and kept with the step they are due at) are in :meth:`state_dict`, so a
-run resumes exactly, mid-period and mid-fragment. Between outer steps the replicas differ:
+run resumes exactly, mid-period and mid-fragment. ``on_peer_loss=continue`` (:mod:`lowband.strategies.peer_loss`;
+inner=local, full precision, delay=0): an exchange that finds a peer dead is redone among the survivors
+with the same pseudo-gradients. Between outer steps the replicas differ:
 ``average_model`` gives their mean; ``in_sync()`` is True right after a whole-model outer step that
 replaced the replicas (one fragment, no delay, ``alpha=0``).
 """
@@ -65,9 +67,10 @@ from lowband.optim.reducer import AllreduceReducer, ReduceContext, Unit
 from lowband.optim.stage import GradientStage
 from lowband.optim.units import model_units
 from lowband.runtime import current
-from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.diloco_auto import DiLoCoAuto
 from lowband.strategies.diloco_options import DEFAULT_OUTER, DILOCO_OPTIONS, parse_outer
+from lowband.strategies.peer_loss import PeerLoss
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.replay import ForwardReplay
 from lowband.topology import DynamicTopology, Topology
@@ -80,7 +83,7 @@ from lowband.topology.names import TOPOLOGIES, build_topology, topology_label
     "(streamed in fragments, compressed with error feedback)",
     DILOCO_OPTIONS,
 )
-class DiLoCoStrategy(DiLoCoAuto, Strategy):
+class DiLoCoStrategy(PeerLoss, DiLoCoAuto):
     """See the module docstring."""
 
     name = "diloco"
@@ -108,6 +111,9 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
         base_steps: int = 50,
         machine_steps: str | None = None,
         profile: str | Path | CostProfile | None = None,
+        on_peer_loss: str = "raise",
+        min_ranks: int | None = None,
+        peer_settle: float = 1.0,
     ) -> None:
         where = self.where = f"strategy 'diloco' on rank {group.rank}"
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
@@ -172,6 +178,9 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
                 where, topology, tuple(TOPOLOGIES), peers, 1 if inner == "ddp" else ctx.local_size
             )
         super().__init__(model, make_optimizer(model.parameters()), group)
+        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle)
+        if on_peer_loss == "continue":  # no cross-rank argument check: its store waits outlive a dead peer
+            self.outer_group = group.unchecked()
         if self.machine is not None:  # the machine's ranks average every inner step, from backward hooks
             self.stage = GradientStage(
                 model_units(model, 25.0, 1.0), AllreduceReducer(), group=self.machine, where=where
@@ -241,7 +250,9 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
                 self._apply(k)
         phase = self.inner_done - self.period_start
         for k, off in enumerate(self.offsets):
-            if phase == off:
+            if phase == off and self.peer_loss == "continue":  # (delay=0)
+                self._exchange_surviving(k)
+            elif phase == off:
                 self._send(k)
                 if self.delay == 0:
                     self._apply(k)
@@ -274,6 +285,26 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
             handle = mixed.map(functools.partial(unflatten_into, grads=deltas))
         self.pending[k] = (self.inner_done + self.delay, handle)
         self.sent[k] += 1
+
+    def _exchange_surviving(self, k: int) -> None:
+        """Fragment ``k``'s exchange and outer step under ``on_peer_loss=continue`` (delay=0): a failed
+        exchange changed nothing (the pseudo-gradient is taken again from the same parameters), so it is
+        redone among the members :meth:`PeerLoss.survive` agrees on."""
+        sent = self.sent[k]
+
+        def average() -> None:
+            try:
+                self._send(k)
+                self._apply(k)
+            except BaseException:
+                self.pending.pop(k, None)
+                self.sent[k] = sent
+                raise
+
+        def regroup(group: Group) -> None:
+            self.outer_group = group.unchecked()
+
+        self.survive(sum(self.sent), average, regroup)
 
     @torch.no_grad()
     def _apply(self, k: int) -> None:
