@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from lowband.comm.collectives import broadcast
-from lowband.comm.handle import Handle, completed
+from lowband.comm.handle import Handle
 from lowband.compress.reducer import CompressedReducer, flatten, unflatten_into
 from lowband.compress.specs import build_reducer, describe_reducer
 from lowband.decentral.neighbor import ineighbor_allreduce
@@ -67,6 +67,7 @@ from lowband.optim.reducer import AllreduceReducer, ReduceContext, Unit
 from lowband.optim.stage import GradientStage
 from lowband.optim.units import model_units
 from lowband.runtime import current
+from lowband.strategies import diloco_state
 from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.diloco_auto import DiLoCoAuto
 from lowband.strategies.diloco_options import DEFAULT_OUTER, DILOCO_OPTIONS, parse_outer
@@ -83,7 +84,7 @@ from lowband.topology.names import TOPOLOGIES, build_topology, topology_label
     "(streamed in fragments, compressed with error feedback)",
     DILOCO_OPTIONS,
 )
-class DiLoCoStrategy(PeerLoss, DiLoCoAuto):
+class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
     """See the module docstring."""
 
     name = "diloco"
@@ -365,68 +366,9 @@ class DiLoCoStrategy(PeerLoss, DiLoCoAuto):
             "auto": list(self.auto_log),
         }
 
-    # -- state ------------------------------------------------------------------------------------
+    # -- state (lowband.strategies.diloco_state) -------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        pending = {
-            k: (due, None if h is None else [t.detach().clone() for t in h.wait()])
-            for k, (due, h) in self.pending.items()
-        }
-        return {
-            "inner_done": self.inner_done,
-            "outer_steps": self.outer_steps,
-            "sent": list(self.sent),
-            "global": None
-            if self.global_params is None
-            else [g.detach().clone() for g in self.global_params],
-            "outers": [o.state_dict() for o in self.outers],
-            "reducer": self.reducer.state_dict(),
-            "pending": pending,
-            "fragments": [list(f) for f in self.fragments],
-            "period_start": self.period_start,
-            "h": self.h,
-            "machine_steps": self.machine_steps,
-            "step_seconds": list(self._step_seconds),
-            "auto_log": list(self.auto_log),
-        }
+        return diloco_state.extra_state(self)
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        where = f"strategy 'diloco' on rank {self.group.world_rank}"
-        self._load_auto_state(where, state)
-        self.inner_done = int(state.get("inner_done", 0))
-        self.outer_steps = int(state.get("outer_steps", 0))
-        self.sent = [int(x) for x in state.get("sent", [self.outer_steps] * len(self.fragments))]
-        h = self.h
-        self.period_start = int(state.get("period_start", self.inner_done - self.inner_done % h))
-        if "reducer" in state:
-            self.reducer.load_state_dict(state["reducer"])
-        glob = state.get("global")
-        self.pending = {}
-        if glob is None:
-            self.global_params, self.outers = None, []
-            return
-        shapes = [tuple(q.shape) for q in self.params]
-        if [tuple(g.shape) for g in glob] != shapes:
-            raise InvalidArgumentError(
-                f"{where}: the checkpoint's global parameters have shapes {[tuple(g.shape) for g in glob]}, "
-                f"this model's {shapes}"
-            )
-        self._take_global([g.to(q.device, q.dtype) for g, q in zip(glob, self.params, strict=True)])
-        outers = state.get("outers")
-        if outers is None and state.get("outer") is not None:
-            outers = [state["outer"]]  # a checkpoint of the whole-model outer loop (one fragment)
-        if outers is not None:
-            if len(outers) != len(self.outers):
-                raise InvalidArgumentError(
-                    f"{where}: the checkpoint has {len(outers)} fragments' outer optimizers, this run "
-                    f"{len(self.outers)} fragments"
-                )
-            for o, sd in zip(self.outers, outers, strict=True):
-                o.load_state_dict(sd)
-        for k, (due, values) in dict(state.get("pending", {})).items():
-            if values is None:
-                self.pending[int(k)] = (int(due), None)
-                continue
-            dev = [self.params[i] for i in self.fragments[int(k)]]
-            got = [v.to(q.device, q.dtype) for v, q in zip(values, dev, strict=True)]
-            restored = completed(got, op="diloco", name=f"fragment{k}", rank=self.group.rank)
-            self.pending[int(k)] = (int(due), restored)
+        diloco_state.load_extra_state(self, state)

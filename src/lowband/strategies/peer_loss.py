@@ -78,7 +78,6 @@ class PeerLoss(Strategy):
     peer_loss: str = "raise"
     #: when the loss was noticed (monotonic), how long the failing op took to fail, where, the error
     _lost: tuple[float, float, str, str] | None = None
-    _reset: bool = False
 
     def init_peer_loss(self, policy: str, min_ranks: int | None, settle: float) -> None:
         where = f"strategy {self.name!r} (on_peer_loss={policy!r}) on rank {self.group.world_rank}"
