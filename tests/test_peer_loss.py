@@ -18,7 +18,7 @@ from torch import nn
 import lowband
 from lowband.errors import CommFailedError, CommTimeoutError
 from lowband.strategies import make_strategy
-from lowband.testing import RankFailures, run_processes
+from lowband.testing import run_processes
 
 COMM_TIMEOUT = 10.0
 LR = 0.1
@@ -130,7 +130,10 @@ def test_survivors_train_on_without_the_killed_rank(
         )
         assert event["recover_s"] < 10.0, event
         since_death = got["recovered_at"] - died
-        print(f"{name} n={n} rank {r}: death -> step done {since_death:.3f} s; {event}")
+        times = {k: event[k] for k in ("noticed_at", "detect_s", "agree_s", "rebuild_s", "recover_s")}
+        print(
+            f"{name} n={n} rank {r}: from the kill to the redone exchange's step done {since_death:.3f} s; {times}"
+        )
         assert since_death < 10.0
         for a, b in zip(got["params"], want, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
@@ -195,9 +198,3 @@ def test_bad_options_are_refused(name: str, opts: dict[str, Any], named: str) ->
 
     for msg in run_threads(_refused, 2, name, opts, timeout=30):
         assert named in msg, msg
-
-
-def test_rank_failures_are_reported() -> None:
-    """(the harness surfaces a survivor's unexpected exception: a sanity check of the tests above)"""
-    with pytest.raises(RankFailures):
-        run_processes(_train, 1, "localsgd", {"period": 0}, 1, (), 0, "/nonexistent", timeout=30)
