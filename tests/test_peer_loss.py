@@ -45,13 +45,23 @@ def _loss(m: nn.Module, r: int, k: int) -> torch.Tensor:
     return ((m(x) - y) ** 2).mean()
 
 
-def _train(name: str, opts: dict[str, Any], steps: int, victims: tuple[int, ...], kill: int, out: str) -> Any:
+def _train(
+    name: str,
+    opts: dict[str, Any],
+    steps: int,
+    victims: tuple[int, ...],
+    kill: int | tuple[int, ...],
+    out: str,
+) -> Any:
+    """Train ``steps`` seeded steps; victim ``victims[i]`` kills itself (SIGKILL) before step ``kill``
+    (or ``kill[i]``)."""
     r = lowband.rank()
+    kills = dict(zip(victims, kill if isinstance(kill, tuple) else [kill] * len(victims), strict=True))
     s = make_strategy(name, _model(), lambda ps: torch.optim.SGD(ps, lr=LR), **opts)
     recovered_at = None
     try:
         for k in range(steps):
-            if r in victims and k == kill:
+            if kills.get(r) == k:
                 Path(out, f"killed-{r}").write_text(repr(time.time()))
                 os.kill(os.getpid(), 9)
             s.train_step(lambda m, k=k: _loss(m, r, k))
@@ -63,16 +73,16 @@ def _train(name: str, opts: dict[str, Any], steps: int, victims: tuple[int, ...]
     return {"params": params, "report": s.report(), "recovered_at": recovered_at, "ranks": s.group.ranks}
 
 
-def _oracle(name: str, n: int, steps: int, period: int, victim: int, kill: int) -> list[torch.Tensor]:
-    """The survivors' parameters, replayed in one process: every rank's seeded local steps; the victim's
-    last before ``kill``; each average over the ranks alive at it (from the failed exchange on: the
-    survivors only)."""
+def _oracle(name: str, n: int, steps: int, period: int, kills: dict[int, int]) -> list[torch.Tensor]:
+    """The survivors' parameters, replayed in one process: every rank's seeded local steps, a victim's
+    last before its kill step; each average over the ranks alive at it (from the exchange that failed
+    on: without the dead)."""
     models = [_model() for _ in range(n)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
     glob = _model()
     outer = torch.optim.SGD(glob.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     for t in range(steps):
-        alive = [r for r in range(n) if r != victim or t < kill]
+        alive = [r for r in range(n) if t < kills.get(r, steps)]
         for r in alive:
             opts[r].zero_grad()
             _loss(models[r], r, t).backward()
@@ -92,7 +102,7 @@ def _oracle(name: str, n: int, steps: int, period: int, victim: int, kill: int) 
             for r in alive:
                 for q, a in zip(models[r].parameters(), avg, strict=True):
                     q.copy_(a)
-    survivor = next(r for r in range(n) if r != victim)
+    survivor = next(r for r in range(n) if r not in kills)
     return [p.detach().clone() for p in models[survivor].parameters()]
 
 
@@ -115,7 +125,7 @@ def test_survivors_train_on_without_the_killed_rank(
         timeout=50, comm_timeout=COMM_TIMEOUT, allow_exit=(victim,),
     )  # fmt: skip
     died = float((tmp_path / f"killed-{victim}").read_text())
-    want = _oracle(name, n, steps, next(iter(opts.values())), victim, kill)
+    want = _oracle(name, n, steps, next(iter(opts.values())), {victim: kill})
     survivors = [r for r in range(n) if r != victim]
     for r in survivors:
         got = out[r]
@@ -138,6 +148,27 @@ def test_survivors_train_on_without_the_killed_rank(
         for a, b in zip(got["params"], want, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
         for a, b in zip(got["params"], out[survivors[0]]["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.timeout(60)
+def test_two_losses_one_after_the_other() -> None:
+    """4 ranks: rank 1 dies before step 2, rank 3 before step 6; the second agreement is among the
+    first one's members (a quorum of 2 of 3), on the group the first one made."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        got = run_processes(
+            _train, 4, "localsgd", {"period": 3, "on_peer_loss": "continue"}, 10, (1, 3), (2, 6), out,
+            timeout=50, comm_timeout=COMM_TIMEOUT, allow_exit=(1, 3),
+        )  # fmt: skip
+    want = _oracle("localsgd", 4, 10, 3, {1: 2, 3: 6})
+    for r in (0, 2):
+        first, second = got[r]["report"]["peer_loss"]
+        assert (first["lost_ranks"], first["members"], first["step"]) == ([1], [0, 2, 3], 4), first
+        assert (second["lost_ranks"], second["members"], second["step"]) == ([3], [0, 2], 7), second
+        assert got[r]["ranks"] == (0, 2)
+        for a, b in zip(got[r]["params"], want, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 

@@ -87,6 +87,7 @@ class PeerLoss(Strategy):
             )
         self.peer_loss, self.min_ranks, self.peer_settle = policy, min_ranks, float(settle)
         self.peer_losses: list[dict[str, Any]] = []
+        self._epochs = 0  # membership agreements started (each under a key of its own)
         if policy == "continue":
             self.no_grad_scaler_reason = "on_peer_loss=continue steps without a grad scaler"
             ctx = current(where)
@@ -144,7 +145,8 @@ class PeerLoss(Strategy):
             resumed = time.monotonic()
             old = self.group
             where = f"strategy {self.name!r} (on_peer_loss='continue') on rank {old.world_rank}"
-            epoch = len(self.peer_losses) + 1
+            self._epochs += 1
+            epoch = self._epochs
             key = f"{self._membership_key}/epoch{epoch}"
             t0 = time.monotonic()
             members = agree(
