@@ -157,7 +157,12 @@ class PeerLoss(Strategy):
             t1 = time.monotonic()
             if members == old.ranks:
                 raise CommFailedError(f"{where}: {what} failed ({error}) but every member is alive")
-            group = open_group(current(where), members, f"{key}/group", f"{self.name}-members{epoch}")
+            try:  # (bounded: gloo waits for the members' addresses in the store up to the timeout)
+                group = open_group(current(where), members, f"{key}/group", f"{self.name}-members{epoch}")
+            except (RuntimeError, TimeoutError) as exc:  # a member died after the agreement
+                raise CommFailedError(
+                    f"{where}: the group of ranks {list(members)} could not be made: {exc}"
+                ) from exc
             self.group = group
             regroup(group)
             if self.nonfinite is not None:
@@ -166,13 +171,7 @@ class PeerLoss(Strategy):
                 assert self.nonfinite is not None
                 self.nonfinite.skipped = skipped
             self._lost = None
-            try:
-                average()
-            except LOST as exc:  # another peer lost meanwhile: agree again, among fewer
-                self.notice(exc, f"exchange {exchange} (redone)", t1)
-                continue
-            done = time.monotonic()
-            event = {
+            event: dict[str, Any] = {
                 "lost_ranks": sorted(set(old.ranks) - set(members)),
                 "members": list(members),
                 "step": self.steps + 1,
@@ -181,10 +180,17 @@ class PeerLoss(Strategy):
                 "error": error,
                 "detect_s": round(detect, 4),
                 "agree_s": round(t1 - t0, 4),
-                "rebuild_s": round(done - t1, 4),
-                "recover_s": round(done - resumed, 4),
+                "rebuild_s": None,  # the new group and the averaging redone on it
+                "recover_s": None,  # from the exchange (or the failure met there) to the averaging redone
             }
             self.peer_losses.append(event)
+            try:
+                average()
+            except LOST as exc:  # another peer lost meanwhile: agree again, among fewer
+                self.notice(exc, f"exchange {exchange} (redone)", time.monotonic())
+                continue
+            done = time.monotonic()
+            event.update(rebuild_s=round(done - t1, 4), recover_s=round(done - resumed, 4))
             log.warning(
                 "%s: lost rank(s) %s at step %d (exchange %d, noticed at %s); training on with ranks %s; "
                 "their local progress since the last exchange is dropped; detected in %.3f s, recovered "
