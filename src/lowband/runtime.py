@@ -292,6 +292,19 @@ def open_member_group(ctx: Context, g: Group, key: str, name: str) -> Group:
     return chan
 
 
+def open_group(ctx: Context, ranks: tuple[int, ...], key: str, name: str) -> Group:
+    """A new gloo group (data and control process groups) over the world ranks ``ranks``, made from the
+    rendezvous store under ``key`` (unique in the run). Only the members call it, all of them; it needs
+    nothing from the other ranks (a membership change: :mod:`lowband.strategies.peer_loss`), is not in
+    torch's group registry, and :func:`shutdown` closes it."""
+    store, me, n, td = rendezvous_store(ctx), ranks.index(ctx.rank), len(ranks), ctx.timeout_td()
+    pg = dist.ProcessGroupGloo(PrefixStore(f"{key}/data", store), me, n, td)
+    ctl = dist.ProcessGroupGloo(PrefixStore(f"{key}/ctl", store), me, n, td)
+    g = Group(pg, ranks, me, name, ctl=ctl, key=key)
+    ctx._groups.append(g)
+    return g
+
+
 def destroy_group(group: Group) -> None:
     """Free a group made by :func:`new_group`: its process groups, their connections (~13 file descriptors
     per rank) and threads. A local step on each member (nothing is communicated); every member should call

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from lowband.group import Group
     from lowband.runtime import Context
 
 
@@ -102,16 +103,24 @@ def break_connections(ctx: Context) -> None:
     to and let it time out, per peer."""
     seen: set[int] = set()
     for g in [ctx.world, *ctx._groups]:
-        for pg in (g.pg, g.ctl):
-            if pg is None or id(pg) in seen:
+        break_group(g, seen)
+
+
+def break_group(g: Group, seen: set[int] | None = None) -> None:
+    """Close this rank's connections to every peer of ``g`` (its data and control process groups, each
+    once: ``seen`` holds the ids of those closed already), so that every op pending or issued later on
+    them fails at once, here and at the peers (:func:`break_connections`). A local step."""
+    seen = set() if seen is None else seen
+    for pg in (g.pg, g.ctl):
+        if pg is None or id(pg) in seen:
+            continue
+        seen.add(id(pg))
+        for peer in range(g.size):
+            if peer == g.rank:
                 continue
-            seen.add(id(pg))
-            for peer in range(g.size):
-                if peer == g.rank:
-                    continue
-                try:
-                    pg.recv([torch.empty(1, device="cpu")], peer, _BREAK_TAG).wait(
-                        datetime.timedelta(milliseconds=1)
-                    )
-                except (RuntimeError, ValueError):
-                    pass  # timed out (the connection is closed now), or it was closed already
+            try:
+                pg.recv([torch.empty(1, device="cpu")], peer, _BREAK_TAG).wait(
+                    datetime.timedelta(milliseconds=1)
+                )
+            except (RuntimeError, ValueError):
+                pass  # timed out (the connection is closed now), or it was closed already

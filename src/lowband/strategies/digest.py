@@ -42,8 +42,9 @@ from lowband.nn.tied import tied_parameters
 #: options that do not change what the saved state means (bucket sizes regroup the same state; the
 #: non-finite policy keeps none): a checkpoint loads across them
 STATELESS_OPTIONS = frozenset(
-    {"bucket_mb", "first_bucket_mb", "bucket_cap_mb", "fuse_mb", "chunk_mb", "on_nonfinite", "accumulate"}
-)
+    {"bucket_mb", "first_bucket_mb", "bucket_cap_mb", "fuse_mb", "chunk_mb", "on_nonfinite", "accumulate",
+     "on_peer_loss", "min_ranks", "peer_settle"}
+)  # fmt: skip
 _SHOWN, _WIDTH = 4, 160
 _NO_DEFAULT = inspect.Parameter.empty
 

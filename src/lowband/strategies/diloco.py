@@ -37,7 +37,9 @@ period, and weights the outer average by each machine's steps (the samples it sa
 The global parameters are taken at the first step (after the initial broadcast, so equal on every
 rank); they, the outer optimizers' state, the error-feedback memory, the inner step count and the
 exchanges in flight (completed and kept with the step they are due at) are in :meth:`state_dict`, so a
-run resumes exactly, mid-period and mid-fragment. Between outer steps the replicas differ:
+run resumes exactly, mid-period and mid-fragment. ``on_peer_loss=continue`` (:mod:`lowband.strategies.peer_loss`;
+inner=local, full precision, delay=0): an exchange that finds a peer dead is redone among the survivors
+with the same pseudo-gradients. Between outer steps the replicas differ:
 ``average_model`` gives their mean; ``in_sync()`` is True right after a whole-model outer step that
 replaced the replicas (one fragment, no delay, ``alpha=0``).
 """
@@ -53,7 +55,7 @@ import torch
 from torch import nn
 
 from lowband.comm.collectives import broadcast
-from lowband.comm.handle import Handle, completed
+from lowband.comm.handle import Handle
 from lowband.compress.reducer import CompressedReducer, flatten, unflatten_into
 from lowband.compress.specs import build_reducer, describe_reducer
 from lowband.decentral.neighbor import ineighbor_allreduce
@@ -66,9 +68,11 @@ from lowband.optim.reducer import AllreduceReducer, ReduceContext, Unit
 from lowband.optim.stage import GradientStage
 from lowband.optim.units import model_units
 from lowband.runtime import current
-from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies import diloco_state
+from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.diloco_auto import DiLoCoAuto
 from lowband.strategies.diloco_options import DEFAULT_OUTER, DILOCO_OPTIONS, parse_outer
+from lowband.strategies.peer_loss import PeerLoss
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.replay import ForwardReplay
 from lowband.topology import DynamicTopology, Topology
@@ -86,7 +90,7 @@ if TYPE_CHECKING:
     "(streamed in fragments, compressed with error feedback)",
     DILOCO_OPTIONS,
 )
-class DiLoCoStrategy(DiLoCoAuto, Strategy):
+class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
     """See the module docstring."""
 
     name = "diloco"
@@ -114,6 +118,9 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
         base_steps: int = 50,
         machine_steps: str | None = None,
         profile: str | Path | CostProfile | None = None,
+        on_peer_loss: str = "raise",
+        min_ranks: int | None = None,
+        peer_settle: float = 1.0,
     ) -> None:
         where = self.where = f"strategy 'diloco' on rank {group.rank}"
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
@@ -178,6 +185,9 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
                 where, topology, tuple(TOPOLOGIES), peers, 1 if inner == "ddp" else ctx.local_size
             )
         super().__init__(model, make_optimizer(model.parameters()), group)
+        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle)
+        if on_peer_loss == "continue":  # no cross-rank argument check: its store waits outlive a dead peer
+            self.outer_group = group.unchecked()
         if self.machine is not None:  # the machine's ranks average every inner step, from backward hooks
             self.stage = GradientStage(
                 model_units(model, 25.0, 1.0), AllreduceReducer(), group=self.machine, where=where
@@ -255,7 +265,9 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
                 self._apply(k)
         phase = self.inner_done - self.period_start
         for k, off in enumerate(self.offsets):
-            if phase == off:
+            if phase == off and self.peer_loss == "continue":  # (delay=0)
+                self._exchange_surviving(k)
+            elif phase == off:
                 self._send(k)
                 if self.delay == 0:
                     self._apply(k)
@@ -287,6 +299,26 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
             handle = mixed.map(functools.partial(unflatten_into, grads=deltas))
         self.pending[k] = (self.inner_done + self.delay, handle)
         self.sent[k] += 1
+
+    def _exchange_surviving(self, k: int) -> None:
+        """Fragment ``k``'s exchange and outer step under ``on_peer_loss=continue`` (delay=0): a failed
+        exchange changed nothing (the pseudo-gradient is taken again from the same parameters), so it is
+        redone among the members :meth:`PeerLoss.survive` agrees on."""
+        sent = self.sent[k]
+
+        def average() -> None:
+            try:
+                self._send(k)
+                self._apply(k)
+            except BaseException:
+                self.pending.pop(k, None)
+                self.sent[k] = sent
+                raise
+
+        def regroup(group: Group) -> None:
+            self.outer_group = group.unchecked()
+
+        self.survive(sum(self.sent), average, regroup)
 
     @torch.no_grad()
     def _apply(self, k: int) -> None:
@@ -347,68 +379,9 @@ class DiLoCoStrategy(DiLoCoAuto, Strategy):
             "auto": list(self.auto_log),
         }
 
-    # -- state ------------------------------------------------------------------------------------
+    # -- state (lowband.strategies.diloco_state) -------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        pending = {
-            k: (due, None if h is None else [t.detach().clone() for t in h.wait()])
-            for k, (due, h) in self.pending.items()
-        }
-        return {
-            "inner_done": self.inner_done,
-            "outer_steps": self.outer_steps,
-            "sent": list(self.sent),
-            "global": None
-            if self.global_params is None
-            else [g.detach().clone() for g in self.global_params],
-            "outers": [o.state_dict() for o in self.outers],
-            "reducer": self.reducer.state_dict(),
-            "pending": pending,
-            "fragments": [list(f) for f in self.fragments],
-            "period_start": self.period_start,
-            "h": self.h,
-            "machine_steps": self.machine_steps,
-            "step_seconds": list(self._step_seconds),
-            "auto_log": list(self.auto_log),
-        }
+        return diloco_state.extra_state(self)
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
-        where = f"strategy 'diloco' on rank {self.group.world_rank}"
-        self._load_auto_state(where, state)
-        self.inner_done = int(state.get("inner_done", 0))
-        self.outer_steps = int(state.get("outer_steps", 0))
-        self.sent = [int(x) for x in state.get("sent", [self.outer_steps] * len(self.fragments))]
-        h = self.h
-        self.period_start = int(state.get("period_start", self.inner_done - self.inner_done % h))
-        if "reducer" in state:
-            self.reducer.load_state_dict(state["reducer"])
-        glob = state.get("global")
-        self.pending = {}
-        if glob is None:
-            self.global_params, self.outers = None, []
-            return
-        shapes = [tuple(q.shape) for q in self.params]
-        if [tuple(g.shape) for g in glob] != shapes:
-            raise InvalidArgumentError(
-                f"{where}: the checkpoint's global parameters have shapes {[tuple(g.shape) for g in glob]}, "
-                f"this model's {shapes}"
-            )
-        self._take_global([g.to(q.device, q.dtype) for g, q in zip(glob, self.params, strict=True)])
-        outers = state.get("outers")
-        if outers is None and state.get("outer") is not None:
-            outers = [state["outer"]]  # a checkpoint of the whole-model outer loop (one fragment)
-        if outers is not None:
-            if len(outers) != len(self.outers):
-                raise InvalidArgumentError(
-                    f"{where}: the checkpoint has {len(outers)} fragments' outer optimizers, this run "
-                    f"{len(self.outers)} fragments"
-                )
-            for o, sd in zip(self.outers, outers, strict=True):
-                o.load_state_dict(sd)
-        for k, (due, values) in dict(state.get("pending", {})).items():
-            if values is None:
-                self.pending[int(k)] = (int(due), None)
-                continue
-            dev = [self.params[i] for i in self.fragments[int(k)]]
-            got = [v.to(q.device, q.dtype) for v, q in zip(values, dev, strict=True)]
-            restored = completed(got, op="diloco", name=f"fragment{k}", rank=self.group.rank)
-            self.pending[int(k)] = (int(due), restored)
+        diloco_state.load_extra_state(self, state)

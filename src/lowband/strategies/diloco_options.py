@@ -14,6 +14,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.localsgd.costmodel import CostProfile
 from lowband.options import Opt, Options, Rule
 from lowband.registry import parse_spec
+from lowband.strategies.peer_loss import PEER_LOSS_OPTIONS
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import TOPOLOGIES
 
@@ -139,6 +140,29 @@ DILOCO_OPTIONS = (
         ],
     )
     | REDUCER_OPTIONS
+    | PEER_LOSS_OPTIONS
+)
+DILOCO_OPTIONS = Options(
+    DILOCO_OPTIONS.opts,
+    [
+        *DILOCO_OPTIONS.rules,
+        Rule(
+            ("on_peer_loss", "inner", "topology", "compressor", "delay", "fragments", "inner_steps"),
+            "on_peer_loss=continue goes with inner=local, topology=none, compressor=identity, delay=0 and "
+            "fixed fragments and inner_steps (the failed exchange is redone from the ranks' unchanged state)",
+            lambda o: (
+                o["on_peer_loss"] != "continue"
+                or (
+                    o["inner"] == "local"
+                    and _no_topology(o["topology"])
+                    and o["compressor"] == "identity"
+                    and o["delay"] == 0
+                    and o["fragments"] != "auto"
+                    and o["inner_steps"] != "auto"
+                )
+            ),
+        ),
+    ],
 )
 
 

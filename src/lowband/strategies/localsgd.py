@@ -3,6 +3,10 @@
 torch's ``PeriodicModelAverager`` averages all parameters (one flattened allreduce) after every
 ``period``-th optimizer step, and ``PostLocalSGDOptimizer`` runs it right after the wrapped optimizer's
 ``step()``. Between averagings each rank trains on its own shard only: no communication at all.
+
+``on_peer_loss=continue`` (:mod:`lowband.strategies.peer_loss`): at the averaging that finds a peer dead
+the survivors agree on the members, a new averager is built on their group (same step count) and the
+averaging is redone among them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from torch.distributed.optim import PostLocalSGDOptimizer
 
 from lowband.group import Group
 from lowband.options import Opt, Options
-from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.base import OptimizerFactory
+from lowband.strategies.peer_loss import PEER_LOSS_OPTIONS, PeerLoss
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.torchcomm import comm_errors
 
@@ -29,9 +34,10 @@ if TYPE_CHECKING:
 @register_strategy(
     "localsgd",
     "FLSGD: local SGD, all parameters averaged every H steps (torch PostLocalSGD)",
-    Options({"period": Opt(int, min=1, unit="steps", doc="H: local steps between two averagings")}),
+    Options({"period": Opt(int, min=1, unit="steps", doc="H: local steps between two averagings")})
+    | PEER_LOSS_OPTIONS,
 )
-class LocalSGDStrategy(Strategy):
+class LocalSGDStrategy(PeerLoss):
     """fp16: the local gradients are unscaled at the step and the ranks agree on inf/NaN first, so a
     skipped step (no averaging either) is skipped on every rank and torch's averager counts alike."""
 
@@ -46,13 +52,18 @@ class LocalSGDStrategy(Strategy):
         group: Group,
         *,
         period: int = 5,
+        on_peer_loss: str = "raise",
+        min_ranks: int | None = None,
+        peer_settle: float = 1.0,
     ) -> None:
         self.period = period
         # no warm-up: torch's warm-up expects DDP's post_localSGD_hook to allreduce meanwhile
         self.averager = PeriodicModelAverager(period=period, warmup_steps=0, process_group=group.pg)
         inner = make_optimizer(model.parameters())
         # PostLocalSGDOptimizer.step() = inner.step() + averager.average_parameters(params)
-        super().__init__(model, PostLocalSGDOptimizer(inner, self.averager), group)
+        self.post = PostLocalSGDOptimizer(inner, self.averager)
+        super().__init__(model, self.post, group)
+        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle)
 
     plan_grid = ("period=5", "period=20")
 
@@ -66,10 +77,42 @@ class LocalSGDStrategy(Strategy):
         return {"H": self.period}
 
     def apply_step(self) -> None:
+        if self.peer_loss == "continue":
+            self._apply_surviving()
+            return
         with comm_errors(self.name, "step (model averaging)", self.group):
             if self.averager.step % self.period == 0:  # an averaging in this step (no warm-up)
                 self.settle_nonfinite("the model averaging")
             super().apply_step()
+
+    def _apply_surviving(self) -> None:
+        """:meth:`apply_step` under ``on_peer_loss=continue``: the local step, then the averaging (when
+        due) through :meth:`PeerLoss.survive`; a failed averaging left the parameters untouched (torch
+        averages a flattened copy) and did not count, so it is redone on the new averager."""
+        if self.nonfinite is not None and self.averager.step % self.period == 0:
+            # (the guard is read at each call: noticing a loss replaces it)
+            self.guarded(
+                lambda: self.nonfinite.settle() if self.nonfinite else None, "the non-finite agreement"
+            )
+        if not self.check_nonfinite():
+            return
+        self.post.optim.step()
+        groups = self.optimizer.param_groups
+
+        def average() -> None:
+            with comm_errors(self.name, "step (model averaging)", self.group):
+                self.averager.average_parameters(params=groups)
+
+        def regroup(group: Group) -> None:
+            count = self.averager.step
+            self.averager = PeriodicModelAverager(period=self.period, warmup_steps=0, process_group=group.pg)
+            self.averager.step = count
+            self.post.averager = self.averager
+
+        if self.averager.step % self.period != 0:
+            self.averager.step += 1  # no averaging at this step
+            return
+        self.survive(self.averager.step // self.period, average, regroup)
 
     def in_sync(self) -> bool:
         # torch's averager counts its calls from 0 and averages when count % period == 0,
