@@ -41,9 +41,10 @@ exchanges, and no gradient stage is attached; :attr:`NonFiniteGuard.deferred`): 
 checked on the host as above, and when non-finite they are dropped, so its local step updates nothing
 (its parameters stay finite, and any averaging inside the step runs on every rank alike). No step waits
 for the others: under ``raise`` the flags are allreduced asynchronously and read ``MAX_PENDING`` steps
-later (on a WAN an allreduce of a few bytes takes several round trips, longer than a step) or before
-the strategy's next exchange, in ``synchronize`` or ``state_dict``, whichever comes first; every rank
-reads them at the same step and raises there, naming the rank and the step. Under ``skip`` nothing is
+later (on a WAN an allreduce of a few bytes takes several round trips, longer than a step), or in
+``synchronize`` or ``state_dict`` if those come first; every rank reads them at the same step and
+raises there, naming the rank and the step (so no rank enters an exchange that another, having raised,
+will not join; an exchange never waits for them). Under ``skip`` nothing is
 exchanged and only the rank that held the value drops its step (``skipped`` counts this rank's).
 
 With an fp16 ``GradScaler`` (:mod:`lowband.optim.scaling`) overflows are the scaler's to handle (it
@@ -254,9 +255,9 @@ class NonFiniteGuard:
         left in flight, and raise :class:`NonFiniteError` if one shows a rank's non-finite gradients.
         Where they are read is the same on every rank, so every rank raises at the same step: each step
         reads those beyond ``MAX_PENDING`` (issued that many steps ago: arrived, on any link), and the
-        strategies read all of them before each exchange, in ``synchronize`` and in ``state_dict`` (no
-        rank enters an exchange that a rank which raised will never join, and no checkpoint is taken
-        after a non-finite gradient went unreported)."""
+        strategies read all of them in ``synchronize`` and in ``state_dict`` (no checkpoint is taken
+        after a non-finite gradient went unreported). No rank enters an exchange that another, having
+        raised, will not join, since all raise at the same step."""
         while len(self._pending) > keep:
             handle, step, own = self._pending.popleft()
             self.settle_now(handle.wait(), step, own)

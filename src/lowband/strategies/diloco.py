@@ -278,7 +278,6 @@ class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
     def _send(self, k: int) -> None:
         """Start averaging fragment ``k``'s pseudo-gradient (compressed, if so configured)."""
         assert self.global_params is not None
-        self.settle_nonfinite("an outer exchange")
         frag = self.fragments[k]
         deltas = [self.global_params[i].detach() - self.params[i].detach() for i in frag]
         if self.machine_steps is not None:  # weighted by the samples of each machine's period

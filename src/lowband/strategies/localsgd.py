@@ -81,8 +81,6 @@ class LocalSGDStrategy(PeerLoss):
             self._apply_surviving()
             return
         with comm_errors(self.name, "step (model averaging)", self.group):
-            if self.averager.step % self.period == 0:  # an averaging in this step (no warm-up)
-                self.settle_nonfinite("the model averaging")
             super().apply_step()
 
     def _apply_surviving(self) -> None:
@@ -90,7 +88,8 @@ class LocalSGDStrategy(PeerLoss):
         due) through :meth:`PeerLoss.survive`; a failed averaging left the parameters untouched (torch
         averages a flattened copy) and did not count, so it is redone on the new averager."""
         if self.nonfinite is not None and self.averager.step % self.period == 0:
-            # (the guard is read at each call: noticing a loss replaces it)
+            # the agreements in flight on the old group are read before the averaging, so a loss met there
+            # is handled at this exchange (the guard is read at each call: noticing a loss replaces it)
             self.guarded(
                 lambda: self.nonfinite.settle() if self.nonfinite else None, "the non-finite agreement"
             )
