@@ -40,8 +40,12 @@ def comm_errors(strategy: str, what: str, group: Group) -> Iterator[None]:
         yield
     except LowbandError:
         raise
-    except RuntimeError as exc:
-        if not _is_comm_error(exc):
+    except (RuntimeError, ValueError) as exc:
+        # on a group outside torch's registry (lowband.runtime.open_group's) torch's exception logger
+        # replaces a failed collective's RuntimeError by its own ValueError ("not initialized in the
+        # world group map"): the failure is the context
+        cause = exc if isinstance(exc, RuntimeError) else exc.__context__
+        if not isinstance(cause, RuntimeError) or not _is_comm_error(cause):
             raise
         timeout = current(f"{strategy}.{what}").config.timeout
-        raise comm_error(f"strategy {strategy!r}: {what} on rank {group.world_rank}", exc, timeout) from exc
+        raise comm_error(f"strategy {strategy!r}: {what} on rank {group.world_rank}", cause, timeout) from exc
