@@ -282,25 +282,23 @@ def rendezvous_store(ctx: Context) -> Any:
 
 
 def open_member_group(ctx: Context, g: Group, key: str, name: str) -> Group:
-    """A new gloo process group over ``g``'s ranks, made from the rendezvous store under ``key`` (unique
-    per group of ranks). Only ``g``'s members call it, all of them, in the same order; it is not in
-    torch's group registry (non-members take no part), and :func:`shutdown` of a thread rank closes it."""
-    store = PrefixStore(key, rendezvous_store(ctx))
-    pg = dist.ProcessGroupGloo(store, g.rank, g.size, ctx.timeout_td())
-    chan = Group(pg, g.ranks, g.rank, name, key=key)
-    ctx._groups.append(chan)
-    return chan
+    """A new gloo process group over ``g``'s ranks (no control group of its own): :func:`open_group`."""
+    return open_group(ctx, g.ranks, key, name, control=False)
 
 
-def open_group(ctx: Context, ranks: tuple[int, ...], key: str, name: str) -> Group:
-    """A new gloo group (data and control process groups) over the world ranks ``ranks``, made from the
-    rendezvous store under ``key`` (unique in the run). Only the members call it, all of them; it needs
-    nothing from the other ranks (a membership change: :mod:`lowband.strategies.peer_loss`), is not in
-    torch's group registry, and :func:`shutdown` closes it."""
+def open_group(ctx: Context, ranks: tuple[int, ...], key: str, name: str, *, control: bool = True) -> Group:
+    """A new gloo group over the world ranks ``ranks`` (with ``control``, a second process group for its
+    control messages), made from the rendezvous store under ``key`` (unique in the run). Only the members
+    call it, all of them, in the same order; it needs nothing from the other ranks (a private channel, a
+    membership change: :mod:`lowband.strategies.peer_loss`), is not in torch's group registry, and
+    :func:`shutdown` closes it."""
     store, me, n, td = rendezvous_store(ctx), ranks.index(ctx.rank), len(ranks), ctx.timeout_td()
-    pg = dist.ProcessGroupGloo(PrefixStore(f"{key}/data", store), me, n, td)
-    ctl = dist.ProcessGroupGloo(PrefixStore(f"{key}/ctl", store), me, n, td)
-    g = Group(pg, ranks, me, name, ctl=ctl, key=key)
+    if not control:
+        g = Group(dist.ProcessGroupGloo(PrefixStore(key, store), me, n, td), ranks, me, name, key=key)
+    else:
+        pg = dist.ProcessGroupGloo(PrefixStore(f"{key}/data", store), me, n, td)
+        ctl = dist.ProcessGroupGloo(PrefixStore(f"{key}/ctl", store), me, n, td)
+        g = Group(pg, ranks, me, name, ctl=ctl, key=key)
     ctx._groups.append(g)
     return g
 

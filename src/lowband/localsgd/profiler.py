@@ -418,3 +418,20 @@ def load_profile(path: str | Path) -> CostProfile:
     except (OSError, ValueError) as exc:
         raise InvalidArgumentError(f"load_profile: cannot read a profile from {str(path)!r}: {exc}") from None
     return CostProfile.from_json(data)
+
+
+def resolve_profile(
+    profile: str | Path | CostProfile | None, where: str
+) -> tuple[CostProfile | None, Path | None]:
+    """A ``profile=`` option: (the profile, None) for a profile or a saved file; (None, the path) for a
+    file that does not exist yet (measured at the first step and saved there by rank 0); (None, None)
+    for none. A path whose folder does not exist is refused."""
+    if isinstance(profile, (str, Path)) and not Path(profile).exists():
+        if not Path(profile).parent.is_dir():
+            raise InvalidArgumentError(
+                f"{where}: cannot read a profile from {str(profile)!r} nor save one there (no such directory)"
+            )
+        return None, Path(profile)
+    if isinstance(profile, (str, Path)):
+        return load_profile(profile), None
+    return profile, None

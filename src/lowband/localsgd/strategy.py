@@ -62,7 +62,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.divergence import model_divergence
-from lowband.localsgd.profiler import load_profile, save_profile_atomic
+from lowband.localsgd.profiler import resolve_profile, save_profile_atomic
 from lowband.localsgd.rescheduling import ScheduledStrategy
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
@@ -156,15 +156,8 @@ class PartialSyncStrategy(ScheduledStrategy):
         self._trial = None
         self._last_step_end = None
         #: where the profile measured at the first step is saved (``profile=PATH`` of a missing file)
-        self.profile_path: Path | None = None
-        if isinstance(profile, (str, Path)) and not Path(profile).exists():
-            if not Path(profile).parent.is_dir():
-                raise InvalidArgumentError(
-                    f"{where}: cannot read a profile from {str(profile)!r} nor save one there (no such directory)"
-                )
-            self.profile_path, profile = Path(profile), None
-        elif isinstance(profile, (str, Path)):
-            profile = load_profile(profile)
+        self.profile_path: Path | None
+        profile, self.profile_path = resolve_profile(profile, where)
         if reprofile_drift > 0 and schedule is not None and profile is None:
             raise InvalidArgumentError(
                 f"{where}: reprofile_drift={reprofile_drift} re-schedules from a profile; give profile= "

@@ -37,7 +37,7 @@ from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.fragments import FragmentChoice, choose_fragments, sync_offsets
 from lowband.localsgd.inner_budget import budget_steps, machine_times
-from lowband.localsgd.profiler import load_profile, profile_model, save_profile_atomic
+from lowband.localsgd.profiler import profile_model, resolve_profile, save_profile_atomic
 from lowband.strategies.replay import ForwardReplay
 
 log = logging.getLogger("lowband.diloco")
@@ -121,14 +121,7 @@ class DiLoCoAuto:
     def _setup_auto_fragments(self, model: nn.Module, profile: str | Path | CostProfile | None) -> None:
         """Choose now from a given profile, or at the first training forward (a missing ``profile`` file:
         measured then and saved there by rank 0)."""
-        if isinstance(profile, (str, Path)) and not Path(profile).exists():
-            if not Path(profile).parent.is_dir():
-                raise InvalidArgumentError(
-                    f"{self.where}: cannot read a profile from {str(profile)!r} nor save one there (no such directory)"
-                )
-            self.profile_path, profile = Path(profile), None
-        elif isinstance(profile, (str, Path)):
-            profile = load_profile(profile)
+        profile, self.profile_path = resolve_profile(profile, self.where)
         if isinstance(profile, CostProfile):
             self._choose_fragments(profile, self.participants)
         else:  # DreamDDP's lazy profile: the first training forward (train_step's too) profiles first
