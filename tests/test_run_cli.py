@@ -78,6 +78,12 @@ def test_run_help_is_a_help_page(capsys: pytest.CaptureFixture[str]) -> None:
         (["-n", "two", "job.py"], "number of ranks >= 1, got 'two'"),
         (["-n"], "expected one argument"),
         (["-n", "2", "--mode", "fast", "job.py"], "invalid choice: 'fast'"),
+        (["-n", "2", "--keep-going", "--max-restarts", "1", "job.py"], "--keep-going and --max-restarts"),
+        (
+            ["-n", "2", "--keep-going", "--nnodes", "2", "job.py"],
+            "--keep-going with --nnodes: --keep-going runs",
+        ),
+        (["-n", "2", "--keep-going", "--rdzv-conf", "x=1", "job.py"], "--keep-going with --rdzv-conf x=1"),
     ],
 )
 def test_run_rejects_bad_command_lines_in_one_line(

@@ -44,6 +44,7 @@ Run SCRIPT on N ranks; the script calls lowband.init() (or torch.distributed.ini
   lowband run -n 4 --rate 100mbit train.py            every rank behind its own 100 Mbit/s link
   lowband run -n 8 --ranks-per-machine 4 --rate 1gbit --intra-rate 10gbit train.py
   lowband run -n 4 --nnodes 2 --rdzv-endpoint HOST:29400 train.py    on each of 2 hosts
+  lowband run -n 4 --rate 100mbit --keep-going train.py  a lost rank does not stop the others
 
 A link option (--rate, --rates, --ranks-per-machine, --intra-rate, --delay-ms, --mtu, --mode) runs the ranks
 in the testbed: network namespaces joined by rate-limited links, as `lowband bench` uses (needs root;
@@ -162,6 +163,12 @@ def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
         "the ranks are restarted in the testbed); the script resumes through lowband.checkpoint.Checkpointer",
     )  # fmt: skip
     p.add_argument(
+        "--keep-going", "--keep_going", dest="keep_going", action="store_true",
+        help="a rank that fails or dies does not stop the others: a script whose strategy has "
+        "on_peer_loss=continue trains on without it (one machine; lowband runs the ranks itself, and hosts "
+        "the rendezvous store so that it outlives every rank); the run succeeds if one rank does",
+    )  # fmt: skip
+    p.add_argument(
         "--force", action="store_true",
         help="start the ranks even where the estimate of their memory or cores exceeds this machine",
     )  # fmt: skip
@@ -271,7 +278,20 @@ def _main(argv: Sequence[str]) -> int:
             check_ranks(ns.nproc, None, None, "lowband run")
         except InvalidArgumentError as exc:
             parser.error(str(exc).removeprefix("lowband run: "))
-    if not testbed:
+    if ns.keep_going and ns.max_restarts is not None:
+        parser.error("--keep-going and --max-restarts: choose one (survivors go on, or every rank restarts)")
+    if ns.keep_going and not testbed:
+        hosts = [f"--{k.replace('_', '-')}" for k in HOST_OPTIONS if getattr(ns, k) is not None]
+        if hosts or passthrough:
+            parser.error(
+                f"--keep-going with {' '.join(hosts + passthrough)}: --keep-going runs every rank on this "
+                "machine (torchrun's agent, which the other options need, stops every rank once one fails)"
+            )
+        ns.mode, ns.standalone = (
+            "loopback",
+            False,
+        )  # lowband starts the ranks itself, as the testbed's loopback mode
+    if not testbed and not ns.keep_going:
         if ns.report or ns.time_limit:
             parser.error("--report and --time-limit go with a link option (--rate, ...)")
         torchrun_argv = _torchrun_argv(ns, passthrough, rest)
@@ -302,6 +322,7 @@ def _main(argv: Sequence[str]) -> int:
         return run_script(
             layout, script, mode=ns.mode or "auto", mtu=ns.mtu, time_limit=ns.time_limit, report=ns.report,
             grace=ns.grace, env=env, log_dir=ns.log_dir, max_restarts=ns.max_restarts or 0,
+            keep_going=ns.keep_going,
         )  # fmt: skip
     except KeyboardInterrupt:
         print("lowband run: interrupted; every rank stopped and the testbed removed", file=sys.stderr)

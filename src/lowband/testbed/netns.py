@@ -149,6 +149,8 @@ class Testbed:
         self._delayers: list[Any] = []
         self._up = False
         self._prev_handlers: dict[int, Any] = {}
+        #: overrides of every rank's store address (:func:`lowband.testbed.store_host.launcher_store`)
+        self.store_env: dict[str, str] = {}
 
     # names and addresses -------------------------------------------------------------------------
 
@@ -197,6 +199,7 @@ class Testbed:
             # the emulated machines share this host's GPUs: rank r computes on GPU r (lowband.devices)
             "LOWBAND_CUDA_INDEX": str(rank),
             **nccl_env(self.ifname(rank)),
+            **self.store_env,
         }
 
     # life cycle ----------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def wait_procs(
     stopped: list[int] | None = None,
     killed: list[int] | None = None,
     ended_at: dict[int, float] | None = None,
+    keep_going: bool = False,
 ) -> list[int]:
     """:meth:`Testbed.wait` for any processes started with ``start_new_session=True``; ``exited``, when
     given, receives the indices of the processes in the order they were seen to end (of those seen in
@@ -78,7 +79,12 @@ def wait_procs(
     Once one has failed, a process found stopped (state ``T``: SIGSTOP, a suspended job) is the likely
     cause of the others' timeouts and will not end by itself: it is killed at once and its index put
     in ``stopped``; the others get ``grace`` seconds to end, and those still running then are killed
-    and put in ``killed``."""
+    and put in ``killed``.
+
+    ``keep_going`` (``lowband run --keep-going``): a failed process does not end the others, which
+    train on without it. The grace period starts when the first process ends *successfully* (the
+    survivors end together); a stopped process is killed (and put in ``stopped``) once every other one
+    has ended."""
     if timeout <= 0 or grace < 0:
         raise InvalidArgumentError(
             f"lowband.testbed.wait: need timeout > 0 and grace >= 0, got {timeout}, {grace}"
@@ -99,7 +105,16 @@ def wait_procs(
         if not running:
             return [int(c) for c in codes if c is not None]
         now = time.monotonic()
-        if kill_at is None and any(c not in (None, 0) for c in codes):
+        if keep_going:
+            if kill_at is None and any(c == 0 for c in codes):
+                kill_at = now + grace
+            if len(running) < len(procs) and all(proc_state(procs[r].pid) == "T" for r in running):
+                for r in running:
+                    if stopped is not None:
+                        stopped.append(r)
+                    kill_group(procs[r])
+                continue
+        elif kill_at is None and any(c not in (None, 0) for c in codes):
             kill_at = now + grace
             for r in running:
                 if proc_state(procs[r].pid) == "T":

@@ -13,6 +13,7 @@ between the machine's own ranks (its loopback) is given apart.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,12 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from lowband.blame import LaunchFolders, RankEnd, ends_of_codes, read_reports, summary
+from lowband.blame import LaunchFolders, RankEnd, ends_of_codes, rank_list, read_reports, summary
 from lowband.errors import CommTimeoutError
 from lowband.rank_main import RANK_MAIN
 from lowband.testbed.links import Layout
 from lowband.testbed.netns import Testbed
 from lowband.testbed.procs import wait_procs
+from lowband.testbed.store_host import launcher_store
 
 #: seconds the other ranks get to finish (and print their own errors) after one rank failed (default)
 GRACE_S = 10.0
@@ -63,6 +65,7 @@ def run_script(
     out: IO[str] | None = None,
     log_dir: str | None = None,
     max_restarts: int = 0,
+    keep_going: bool = False,
 ) -> int:
     """Run ``python ARGV`` on every rank of ``layout`` in the testbed (through :mod:`lowband.rank_main`:
     ``ARGV`` is ``SCRIPT ARGS`` or ``-m MODULE ARGS``); print the link bytes; returns the exit status
@@ -72,14 +75,22 @@ def run_script(
     removed on return, on an exception and on SIGINT/SIGTERM. ``max_restarts``: after a rank fails, every
     rank is stopped and all are started again, at most that many times, in the same testbed (as
     torchrun's agent does: ``TORCHELASTIC_RESTART_COUNT`` tells the script the attempt, and a script
-    written with :class:`lowband.checkpoint.Checkpointer` resumes from its newest complete set)."""
+    written with :class:`lowband.checkpoint.Checkpointer` resumes from its newest complete set).
+
+    ``keep_going``: a rank that fails or dies does not stop the others (a script whose strategy has
+    ``on_peer_loss="continue"`` trains on without it). The launcher hosts the rendezvous store
+    (:func:`~lowband.testbed.store_host.launcher_store`: it outlives every rank, rank 0 included), and
+    the run succeeds (0) when at least one rank ended successfully; the lost ranks are named on stderr,
+    one line per distinct cause."""
     out = out or sys.stdout
     limit = math.inf if time_limit is None else time_limit
     folders = LaunchFolders(log_dir, "lowband-run")
     ends: dict[int, RankEnd] = {}
     try:
-        with Testbed(layout, mode=mode, mtu=mtu) as tb:
+        with Testbed(layout, mode=mode, mtu=mtu) as tb, contextlib.ExitStack() as stack:
             print(f"lowband run: {tb.label()}", file=sys.stderr, flush=True)
+            if keep_going:
+                tb.store_env = stack.enter_context(launcher_store(tb))
             before = tb.link_bytes()
             run_id = f"lowband-run-{os.getpid()}-{int(time.time())}"
             attempt, started = 0, time.monotonic()
@@ -94,8 +105,9 @@ def run_script(
                 try:
                     left = limit - (time.monotonic() - started)
                     codes = wait_procs(
-                        procs, left, grace=grace, stopped=stopped, killed=killed, ended_at=ended_at
-                    )
+                        procs, left, grace=grace, stopped=stopped, killed=killed, ended_at=ended_at,
+                        keep_going=keep_going,
+                    )  # fmt: skip
                 except CommTimeoutError as exc:
                     timed_out = str(exc).replace("lowband.testbed.wait: ", "--time-limit: ")
                     codes = [p.returncode if p.returncode is not None else -9 for p in procs]
@@ -121,9 +133,15 @@ def run_script(
             lines = summary(
                 ends, read_reports(folders.reports), seen, "lowband run", folders.logs, "lowband run"
             )
+            went_on = [r for r, c in enumerate(codes) if c == 0] if keep_going else []
+            if went_on:
+                lines.insert(0, f"lowband run: --keep-going: {rank_list(went_on)} trained on and ended "
+                             f"successfully; lost: {rank_list(list(ends))}")  # fmt: skip
             print("\n".join(lines), file=sys.stderr)
         if report:
             _write_report(Path(report), label, shaped, layout, codes, before, after)
+        if keep_going and not timed_out and any(c == 0 for c in codes):
+            return 0  # (the lost ranks' logs are kept and named above)
         return 1 if ends or timed_out else 0
     finally:
         folders.close(ends)
