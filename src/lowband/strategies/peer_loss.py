@@ -48,6 +48,8 @@ log = logging.getLogger("lowband.peer_loss")
 T = TypeVar("T")
 POLICIES = ("raise", "continue")
 LOST = (CommFailedError, CommTimeoutError)
+#: how often a rank waiting for an agreement reads whether another member noticed a loss (one store read)
+_WATCH_PEERS_S = 0.05
 
 #: the options of the strategies that can go on without a dead rank
 PEER_LOSS_OPTIONS = Options(
@@ -88,6 +90,7 @@ class PeerLoss(Strategy):
         self.peer_loss, self.min_ranks, self.peer_settle = policy, min_ranks, float(settle)
         self.peer_losses: list[dict[str, Any]] = []
         self._epochs = 0  # membership agreements started (each under a key of its own)
+        self._watched = 0.0  # when _watch_peers last read the store
         if policy == "continue":
             self.no_grad_scaler_reason = "on_peer_loss=continue steps without a grad scaler"
             ctx = current(where)
@@ -95,6 +98,35 @@ class PeerLoss(Strategy):
             self._membership_key = f"lowband/membership/{next(counters)}"
 
     # -- noticing ---------------------------------------------------------------------------------
+    def set_nonfinite(self, policy: str) -> None:
+        super().set_nonfinite(policy)
+        if self.peer_loss == "continue" and self.nonfinite is not None:
+            self.nonfinite.watch = self._watch_peers
+
+    def _noticed_key(self) -> str:
+        """The store key a survivor sets when it notices a loss in the current membership."""
+        return f"{self._membership_key}/epoch{self._epochs + 1}/noticed"
+
+    def _watch_peers(self) -> None:
+        """While this rank waits for an agreement that has not arrived: raise once another member has
+        noticed a loss (:meth:`notice` says so in the store; checked every ``_WATCH_PEERS_S``). Its
+        pending receive from the dead rank may never fail by itself: a killed process's reset can be
+        lost on a congested link, leaving the connection open until the timeout."""
+        now = time.monotonic()
+        if now - self._watched < _WATCH_PEERS_S:
+            return
+        self._watched = now
+        where = f"strategy {self.name!r} (on_peer_loss='continue') on rank {self.group.world_rank}"
+        store = rendezvous_store(current(where))
+        key = self._noticed_key()
+        try:
+            if not store.check([key]):
+                return
+            said = bytes(store.get(key)).decode()
+        except (RuntimeError, TimeoutError) as exc:
+            raise CommFailedError(f"{where}: the rendezvous store failed: {exc}") from exc
+        raise CommFailedError(f"{where}: {said}")
+
     def check_nonfinite(self) -> bool:
         return self.guarded(super().check_nonfinite, "the non-finite agreement")
 
@@ -116,6 +148,12 @@ class PeerLoss(Strategy):
             return
         now = time.monotonic()
         self._lost = (now, now - began, what, str(exc).splitlines()[0][:300])
+        where = f"strategy {self.name!r} (on_peer_loss='continue') on rank {self.group.world_rank}"
+        try:  # tell the members waiting on an op that may never fail by itself (_watch_peers)
+            said = f"rank {self.group.world_rank} noticed a lost peer at {what}"
+            rendezvous_store(current(where)).compare_set(self._noticed_key(), "", said)
+        except (RuntimeError, TimeoutError):
+            pass  # the store is gone too: the membership agreement will say so
         break_group(self.group)
         old = self.nonfinite
         if old is not None:
