@@ -130,6 +130,9 @@ class NonFiniteGuard:
         self.deferred = False
         #: local steps' agreements in flight, oldest first: handle, step, this rank's bad parameter
         self._pending: collections.deque[tuple[Handle[Tensor], int, str]] = collections.deque()
+        #: how :meth:`settle` waits for an agreement in flight (None: ``handle.wait()``); a strategy with
+        #: a heartbeat beats meanwhile (:mod:`lowband.strategies.peer_loss`)
+        self.waiter: Callable[[Handle[Tensor]], Tensor] | None = None
 
     def attach(self, stage: GradientStage) -> None:
         """``stage`` checks each unit through this guard (and keeps its reducer's state for ``skip``)."""
@@ -260,7 +263,7 @@ class NonFiniteGuard:
         raised, will not join, since all raise at the same step."""
         while len(self._pending) > keep:
             handle, step, own = self._pending.popleft()
-            self.settle_now(handle.wait(), step, own)
+            self.settle_now(handle.wait() if self.waiter is None else self.waiter(handle), step, own)
 
     def settle_now(self, found: Tensor, step: int, own: str) -> None:
         bad = [r for r, v in enumerate(found.tolist()) if v > 0]
