@@ -343,9 +343,11 @@ def shutdown() -> None:
     :func:`lowband.teardown.break_connections`) and wait for them."""
     global _global
     from lowband.comm.engine import close_engines
+    from lowband.comm.heartbeat import finish_heartbeats
 
     ctx = getattr(_local, "ctx", None)
     if ctx is not None:
+        finish_heartbeats(ctx)  # this rank is done: the others still training do not take it as lost
         close_engines(ctx)
         _local.ctx = None
         for g in [*reversed(ctx._groups), ctx.world]:
@@ -359,6 +361,7 @@ def shutdown() -> None:
     if _global is None:
         return
     ctx, _global = _global, None
+    finish_heartbeats(ctx)
     close_engines(ctx)
     if join_threads(lowband_threads(), 0.2):
         break_connections(ctx)

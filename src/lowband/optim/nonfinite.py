@@ -57,7 +57,6 @@ from __future__ import annotations
 import collections
 import copy
 import math
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -76,8 +75,6 @@ Tensor = torch.Tensor
 
 #: local steps: agreements in flight before a step waits for the oldest (bounds memory and the delay)
 MAX_PENDING = 16
-#: how often a read of an agreement that has not arrived polls it (and calls :attr:`NonFiniteGuard.watch`)
-_WATCH_S = 0.002
 
 #: the values of every strategy's ``on_nonfinite`` option
 POLICIES = ("raise", "skip", "off")  # off: no check (what the overhead benchmark compares with)
@@ -133,10 +130,9 @@ class NonFiniteGuard:
         self.deferred = False
         #: local steps' agreements in flight, oldest first: handle, step, this rank's bad parameter
         self._pending: collections.deque[tuple[Handle[Tensor], int, str]] = collections.deque()
-        #: called over and over while an agreement that has not arrived is read; it raises to give up on
-        #: it (``on_peer_loss=continue``: a peer has seen a rank die, and this rank's pending receive from
-        #: the dead rank may never fail by itself: a lost reset leaves its connection open)
-        self.watch: Callable[[], None] | None = None
+        #: how :meth:`settle` waits for an agreement in flight (None: ``handle.wait()``); a strategy with
+        #: a heartbeat beats meanwhile (:mod:`lowband.strategies.peer_loss`)
+        self.waiter: Callable[[Handle[Tensor]], Tensor] | None = None
 
     def attach(self, stage: GradientStage) -> None:
         """``stage`` checks each unit through this guard (and keeps its reducer's state for ``skip``)."""
@@ -266,12 +262,8 @@ class NonFiniteGuard:
         after a non-finite gradient went unreported). No rank enters an exchange that another, having
         raised, will not join, since all raise at the same step."""
         while len(self._pending) > keep:
-            handle, step, own = self._pending[0]
-            while self.watch is not None and not handle.done():  # (bounded: the op's own timeout)
-                self.watch()
-                time.sleep(_WATCH_S)
-            self._pending.popleft()
-            self.settle_now(handle.wait(), step, own)
+            handle, step, own = self._pending.popleft()
+            self.settle_now(handle.wait() if self.waiter is None else self.waiter(handle), step, own)
 
     def settle_now(self, found: Tensor, step: int, own: str) -> None:
         bad = [r for r, v in enumerate(found.tolist()) if v > 0]

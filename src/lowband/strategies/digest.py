@@ -43,7 +43,7 @@ from lowband.nn.tied import tied_parameters
 #: non-finite policy keeps none): a checkpoint loads across them
 STATELESS_OPTIONS = frozenset(
     {"bucket_mb", "first_bucket_mb", "bucket_cap_mb", "fuse_mb", "chunk_mb", "on_nonfinite", "accumulate",
-     "on_peer_loss", "min_ranks", "peer_settle"}
+     "on_peer_loss", "min_ranks", "peer_settle", "heartbeat"}
 )  # fmt: skip
 _SHOWN, _WIDTH = 4, 160
 _NO_DEFAULT = inspect.Parameter.empty

@@ -121,6 +121,7 @@ class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
         on_peer_loss: str = "raise",
         min_ranks: int | None = None,
         peer_settle: float = 1.0,
+        heartbeat: float | None = None,
     ) -> None:
         where = self.where = f"strategy 'diloco' on rank {group.rank}"
         named = [(n, q) for n, q in model.named_parameters() if q.requires_grad]
@@ -185,7 +186,7 @@ class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
                 where, topology, tuple(TOPOLOGIES), peers, 1 if inner == "ddp" else ctx.local_size
             )
         super().__init__(model, make_optimizer(model.parameters()), group)
-        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle)
+        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle, heartbeat)
         if on_peer_loss == "continue":  # no cross-rank argument check: its store waits outlive a dead peer
             self.outer_group = group.unchecked()
         if self.machine is not None:  # the machine's ranks average every inner step, from backward hooks
@@ -260,19 +261,23 @@ class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
         super().apply_step()
         self._clock_step()
         self.inner_done += 1
-        for k in sorted(self.pending):
+        for k in sorted(self.pending):  # (the exchanges are collective points: PeerLoss.collective)
             if self.pending[k][0] == self.inner_done:
-                self._apply(k)
+                self.collective(functools.partial(self._apply, k))
         phase = self.inner_done - self.period_start
         for k, off in enumerate(self.offsets):
             if phase == off and self.peer_loss == "continue":  # (delay=0)
                 self._exchange_surviving(k)
             elif phase == off:
-                self._send(k)
-                if self.delay == 0:
-                    self._apply(k)
+                self.collective(functools.partial(self._exchange, k))
         if phase == self.h:
             self._end_period()
+
+    def _exchange(self, k: int) -> None:
+        """Fragment ``k``'s exchange started (and, with ``delay=0``, applied)."""
+        self._send(k)
+        if self.delay == 0:
+            self._apply(k)
 
     @torch.no_grad()
     def _send(self, k: int) -> None:
@@ -325,7 +330,7 @@ class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
         assert self.global_params is not None
         _, handle = self.pending.pop(k)
         frag = self.fragments[k]
-        avg = handle.wait() if handle is not None else None
+        avg = self.wait_beating(handle) if handle is not None else None
         if self.machine is not None:  # the machine's first rank hands the outer average to the others
             if avg is None:
                 avg = [torch.empty_like(self.params[i]) for i in frag]
@@ -351,7 +356,7 @@ class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
         super().synchronize()
         for _, h in self.pending.values():
             if h is not None:
-                h.wait()
+                self.wait_beating(h)
         if self.machine is not None:
             self.stage.wait()
 
@@ -364,6 +369,7 @@ class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
             self._replay.remove()
         if self.machine is not None:
             self.stage.remove_hooks()
+        super().close()
 
     def in_sync(self) -> bool:
         whole = len(self.fragments) == 1 and self.delay == 0 and self.alpha == 0.0 and self.topology is None

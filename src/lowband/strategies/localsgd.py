@@ -6,7 +6,8 @@ torch's ``PeriodicModelAverager`` averages all parameters (one flattened allredu
 
 ``on_peer_loss=continue`` (:mod:`lowband.strategies.peer_loss`): at the averaging that finds a peer dead
 the survivors agree on the members, a new averager is built on their group (same step count) and the
-averaging is redone among them.
+averaging is redone among them; its heartbeat (``heartbeat=``, 10 s by default there) finds a stopped or
+hung peer between averagings.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class LocalSGDStrategy(PeerLoss):
         on_peer_loss: str = "raise",
         min_ranks: int | None = None,
         peer_settle: float = 1.0,
+        heartbeat: float | None = None,
     ) -> None:
         self.period = period
         # no warm-up: torch's warm-up expects DDP's post_localSGD_hook to allreduce meanwhile
@@ -63,7 +65,7 @@ class LocalSGDStrategy(PeerLoss):
         # PostLocalSGDOptimizer.step() = inner.step() + averager.average_parameters(params)
         self.post = PostLocalSGDOptimizer(inner, self.averager)
         super().__init__(model, self.post, group)
-        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle)
+        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle, heartbeat)
 
     plan_grid = ("period=5", "period=20")
 
@@ -81,7 +83,10 @@ class LocalSGDStrategy(PeerLoss):
             self._apply_surviving()
             return
         with comm_errors(self.name, "step (model averaging)", self.group):
-            super().apply_step()
+            if self.averager.step % self.period == 0:  # the averaging is due: a collective point
+                self.collective(super().apply_step)
+            else:
+                super().apply_step()
 
     def _apply_surviving(self) -> None:
         """:meth:`apply_step` under ``on_peer_loss=continue``: the local step, then the averaging (when

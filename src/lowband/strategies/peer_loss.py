@@ -5,12 +5,13 @@
 
 ``on_peer_loss="continue"`` (``localsgd``; ``diloco`` with ``inner=local``): the survivors go on.
 
-- *Noticed*: at the next exchange (the averaging fails: a dead process's connections close at once), or
-  earlier at a read of the asynchronous non-finite agreements of the local steps. A survivor that
-  notices closes its own connections of the group (:func:`lowband.teardown.break_group`), so every
-  other survivor's pending or next op on it fails at once too instead of waiting for the timeout. Until
-  the exchange it trains on alone, checking its own gradients (a non-finite one raises at once, on this
-  rank); the non-finite agreements in flight are dropped.
+- *Noticed*: by the heartbeat (below) while the survivors compute, at the next exchange (the averaging
+  fails: a dead process's connections close at once), or at a read of the asynchronous non-finite
+  agreements of the local steps. A survivor that notices closes its own connections of the group
+  (:func:`lowband.teardown.break_group`), so every other survivor's pending or next op on it fails at
+  once too instead of waiting for the timeout, and its next exchange goes straight to the agreement.
+  Until the exchange it trains on alone, checking its own gradients (a non-finite one raises at once, on
+  this rank); the non-finite agreements in flight are dropped.
 - *Agreed*, at the exchange: each survivor announces itself with the exchange's index in the
   rendezvous store and they settle on one member list (:mod:`lowband.comm.membership`; why they cannot
   disagree: :mod:`lowband.membership`), a quorum of the last membership (a majority, or ``min_ranks``)
@@ -24,7 +25,38 @@
   and listed in :meth:`~lowband.strategies.base.Strategy.report` under ``peer_loss``.
 
 The rest of the world (``lowband.world()``, torch's default group) stays broken after a loss: only the
-strategy's group (``strategy.group``) is used afterwards.
+strategy's group (``strategy.group``) is used afterwards. A loss noticed and not yet agreed on is in
+the report as ``peer_loss_noticed``.
+
+The heartbeat, ``heartbeat=B`` (seconds; 10 by default under ``continue``; 0 = off, the default under
+``raise``). A rank stopped, hung or cut off keeps its connections open, so no op fails: without a
+heartbeat it is found when an exchange times out (the runtime timeout), and any loss only at the
+exchange, which a long period puts far off. With it, each rank beats between its steps, at most every
+B/3 seconds: one ``add`` of its counter in the rendezvous store and one ``multi_get`` of the other
+members' (two store round trips on the training thread; no thread of its own:
+:mod:`lowband.comm.heartbeat`); a member whose counter this rank has watched stand still for more than
+B seconds is missing (:mod:`lowband.heartbeat`): found about B + B/3 + a step after its last beat, while
+the others compute. Under ``continue`` that is a noticed loss (``noticed_at`` "the heartbeat"; the event
+gives ``silent_ranks`` and ``silent_s``, the silence measured); under ``raise`` a
+:class:`~lowband.errors.CommFailedError` at that step, naming the silent ranks and the option. A wait
+for an op in flight (the non-finite agreements, a streamed exchange) polls it and beats meanwhile.
+
+Not missing: a member that has not beaten yet (first steps differ: data loading, compilation); one
+waiting at a collective point of the strategy (an exchange, ``average_model``, ``replica_spread``,
+``save``, ``load``) that this rank has not reached, since it waits for this rank; one that finished
+(:meth:`Strategy.close` or :func:`lowband.shutdown` mark it done; a rank that exits on an error marks
+itself done too, and its closed connections fail the next op on the group instead). An exchange
+completed proves every member alive, and this rank's own absence (blocked in an exchange, a long step)
+counts at most B/2 per look, so it does not make the others look silent.
+
+Limits. A rank beats between steps only: B must exceed twice the longest step and any pause between
+steps of one rank alone (an evaluation, a checkpoint write on rank 0), or the others take it as lost. Such
+a false alarm is survived under ``continue`` when that rank reaches the exchange's agreement within
+``peer_settle``: every member is alive there and the group is rebuilt with all of them (once per
+exchange; a second time raises); a later one is left out and raises. A rank that stops while the others
+are blocked in an exchange with it (torch's averaging, which cannot beat) is found by the runtime timeout,
+as before. B is not tied to the runtime timeout (the timeout bounds an op, B the silence between ops), so
+any B >= 0 is accepted.
 """
 
 from __future__ import annotations
@@ -41,7 +73,7 @@ from lowband.group import Group
 from lowband.optim.nonfinite import NonFiniteGuard
 from lowband.options import Opt, Options
 from lowband.runtime import current, open_group, rendezvous_store
-from lowband.strategies.base import Strategy
+from lowband.strategies.peer_heartbeat import Heartbeating, Noticed
 from lowband.teardown import break_group
 
 log = logging.getLogger("lowband.peer_loss")
@@ -50,6 +82,8 @@ POLICIES = ("raise", "continue")
 LOST = (CommFailedError, CommTimeoutError)
 #: how often a rank waiting for an agreement reads whether another member noticed a loss (one store read)
 _WATCH_PEERS_S = 0.05
+#: the heartbeat bound under on_peer_loss=continue when none is given (s); under raise it is off
+DEFAULT_HEARTBEAT_S = 10.0
 
 #: the options of the strategies that can go on without a dead rank
 PEER_LOSS_OPTIONS = Options(
@@ -68,40 +102,49 @@ PEER_LOSS_OPTIONS = Options(
             doc="with on_peer_loss=continue: how long no new survivor must announce itself before the "
             "membership is settled (a survivor later than that is left out and raises)",
         ),
+        "heartbeat": Opt(
+            float, min=0, unit="s",
+            doc="a rank silent for longer between its steps (stopped, hung, cut off) is lost, found while "
+            "the others compute; 0: off (default: 10 under on_peer_loss=continue, off under raise); "
+            "must exceed twice the longest step or pause between steps",
+        ),
     }
 )  # fmt: skip
 
 
-class PeerLoss(Strategy):
-    """The ``on_peer_loss`` behaviour (module docstring), a base of the strategies that offer it. A
-    strategy calls :meth:`init_peer_loss` after ``Strategy.__init__`` and, at its exchange, runs the
-    averaging through :meth:`survive`."""
+class PeerLoss(Heartbeating):
+    """The ``on_peer_loss`` behaviour and the heartbeat (module docstring), a base of the strategies that
+    offer them. A strategy calls :meth:`init_peer_loss` after ``Strategy.__init__``, runs its exchange's
+    averaging through :meth:`survive` (or, where it never survives a loss, through :meth:`collective`)."""
 
-    peer_loss: str = "raise"
-    #: when the loss was noticed (monotonic), how long the failing op took to fail, where, the error
-    _lost: tuple[float, float, str, str] | None = None
-
-    def init_peer_loss(self, policy: str, min_ranks: int | None, settle: float) -> None:
+    def init_peer_loss(
+        self, policy: str, min_ranks: int | None, settle: float, heartbeat: float | None = None
+    ) -> None:
         where = f"strategy {self.name!r} (on_peer_loss={policy!r}) on rank {self.group.world_rank}"
         if min_ranks is not None and min_ranks > self.group.size:
             raise InvalidArgumentError(
                 f"{where}: min_ranks={min_ranks} is more than the group's {self.group.size} ranks"
             )
+        bound = (DEFAULT_HEARTBEAT_S if policy == "continue" else 0.0) if heartbeat is None else heartbeat
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0 <= bound < float("inf"):
+            raise InvalidArgumentError(
+                f"{where}: heartbeat must be a number of seconds >= 0, got {heartbeat!r}"
+            )
         self.peer_loss, self.min_ranks, self.peer_settle = policy, min_ranks, float(settle)
+        self.heartbeat_s = float(bound)
         self.peer_losses: list[dict[str, Any]] = []
         self._epochs = 0  # membership agreements started (each under a key of its own)
         self._watched = 0.0  # when _watch_peers last read the store
+        ctx = current(where)
+        counters = ctx.state.setdefault("lowband.peer_loss", itertools.count())
+        self._membership_key = f"lowband/membership/{next(counters)}"
         if policy == "continue":
             self.no_grad_scaler_reason = "on_peer_loss=continue steps without a grad scaler"
-            ctx = current(where)
-            counters = ctx.state.setdefault("lowband.peer_loss", itertools.count())
-            self._membership_key = f"lowband/membership/{next(counters)}"
+        self._start_heartbeat()
 
     # -- noticing ---------------------------------------------------------------------------------
-    def set_nonfinite(self, policy: str) -> None:
-        super().set_nonfinite(policy)
-        if self.peer_loss == "continue" and self.nonfinite is not None:
-            self.nonfinite.watch = self._watch_peers
+    def peer_watch(self) -> Callable[[], None] | None:
+        return self._watch_peers if self.peer_loss == "continue" else None
 
     def _noticed_key(self) -> str:
         """The store key a survivor sets when it notices a loss in the current membership."""
@@ -141,13 +184,17 @@ class PeerLoss(Strategy):
             self.notice(exc, what, began)
             return fn()
 
-    def notice(self, exc: BaseException, what: str, began: float) -> None:
+    def notice(
+        self, exc: BaseException, what: str, began: float, silent: dict[int, float] | None = None
+    ) -> None:
         """A peer is lost: close this rank's connections of the group (every survivor's op on it fails
-        now) and check gradients alone until the exchange."""
+        now) and check gradients alone until the exchange. ``silent``: the ranks the heartbeat found
+        silent, and for how long."""
         if self._lost is not None:
             return
         now = time.monotonic()
-        self._lost = (now, now - began, what, str(exc).splitlines()[0][:300])
+        error = str(exc).splitlines()[0][:300]
+        self._lost = Noticed(now, now - began, what, error, self.steps, dict(silent or {}))
         where = f"strategy {self.name!r} (on_peer_loss='continue') on rank {self.group.world_rank}"
         try:  # tell the members waiting on an op that may never fail by itself (_watch_peers)
             said = f"rank {self.group.world_rank} noticed a lost peer at {what}"
@@ -168,8 +215,12 @@ class PeerLoss(Strategy):
         peer is lost (now or noticed earlier), agree on the members, ``regroup(new group)`` and run
         ``average()`` again among them. ``average`` must leave the state untouched when it raises."""
         if self.peer_loss != "continue":
-            average()
-            return
+            self.collective(average)
+        else:
+            self.collective(lambda: self._survive(exchange, average, regroup))
+
+    def _survive(self, exchange: int, average: Callable[[], None], regroup: Callable[[Group], None]) -> None:
+        alarms = 0  # agreements that found every member alive (a false alarm: the group is rebuilt once)
         while True:
             if self._lost is None:
                 began = time.monotonic()
@@ -178,8 +229,9 @@ class PeerLoss(Strategy):
                     return
                 except LOST as exc:
                     self.notice(exc, f"exchange {exchange}", began)
-            assert self._lost is not None
-            _noticed, detect, what, error = self._lost
+            lost = self._lost
+            assert lost is not None
+            what, error = lost.what, lost.error
             resumed = time.monotonic()
             old = self.group
             where = f"strategy {self.name!r} (on_peer_loss='continue') on rank {old.world_rank}"
@@ -194,7 +246,13 @@ class PeerLoss(Strategy):
             )  # fmt: skip
             t1 = time.monotonic()
             if members == old.ranks:
-                raise CommFailedError(f"{where}: {what} failed ({error}) but every member is alive")
+                if alarms:
+                    raise CommFailedError(f"{where}: {what} failed ({error}) but every member is alive")
+                alarms += 1
+                log.warning(
+                    "%s: %s failed (%s) but every member reached the agreement: a false alarm; the group is "
+                    "rebuilt with all of them", where, what, error,
+                )  # fmt: skip
             try:  # (bounded: gloo waits for the members' addresses in the store up to the timeout)
                 group = open_group(current(where), members, f"{key}/group", f"{self.name}-members{epoch}")
             except (RuntimeError, TimeoutError) as exc:  # a member died after the agreement
@@ -209,14 +267,18 @@ class PeerLoss(Strategy):
                 assert self.nonfinite is not None
                 self.nonfinite.skipped = skipped
             self._lost = None
+            self._start_heartbeat()
             event: dict[str, Any] = {
                 "lost_ranks": sorted(set(old.ranks) - set(members)),
                 "members": list(members),
                 "step": self.steps + 1,
                 "exchange": exchange,
                 "noticed_at": what,
+                "noticed_step": lost.step,
                 "error": error,
-                "detect_s": round(detect, 4),
+                "detect_s": round(lost.detect, 4),  # the failing op's time, or the silence measured
+                "silent_ranks": sorted(lost.silent),
+                "silent_s": round(max(lost.silent.values()), 4) if lost.silent else None,
                 "agree_s": round(t1 - t0, 4),
                 "rebuild_s": None,  # the new group and the averaging redone on it
                 "recover_s": None,  # from the exchange (or the failure met there) to the averaging redone
@@ -233,7 +295,8 @@ class PeerLoss(Strategy):
                 "%s: lost rank(s) %s at step %d (exchange %d, noticed at %s); training on with ranks %s; "
                 "their local progress since the last exchange is dropped; detected in %.3f s, recovered "
                 "in %.3f s",
-                where, event["lost_ranks"], event["step"], exchange, what, list(members), detect, event["recover_s"],
+                where, event["lost_ranks"], event["step"], exchange, what, list(members), lost.detect,
+                event["recover_s"],
             )  # fmt: skip
             return
 
@@ -241,7 +304,15 @@ class PeerLoss(Strategy):
         out = super().report()
         if self.peer_loss == "continue":
             out["peer_loss"] = [dict(e) for e in self.peer_losses]
+            lost = self._lost
+            out["peer_loss_noticed"] = None if lost is None else {
+                "noticed_at": lost.what, "step": lost.step, "error": lost.error,
+                "silent_ranks": sorted(lost.silent),
+                "silent_s": round(max(lost.silent.values()), 4) if lost.silent else None,
+            }  # fmt: skip
+        if self.heartbeat_s > 0:
+            out["heartbeat_s"] = self.heartbeat_s
         return out
 
 
-__all__ = ["PEER_LOSS_OPTIONS", "POLICIES", "PeerLoss"]
+__all__ = ["DEFAULT_HEARTBEAT_S", "PEER_LOSS_OPTIONS", "POLICIES", "PeerLoss"]
