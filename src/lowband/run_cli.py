@@ -169,6 +169,11 @@ def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
         "the rendezvous store so that it outlives every rank); the run succeeds if one rank does",
     )  # fmt: skip
     p.add_argument(
+        "--replacements", type=int, default=0, metavar="N",
+        help="with --keep-going: start a new process in place of a rank that failed, up to N times in all; it "
+        "joins the survivors at their next exchange with a live peer's state (on_peer_loss=continue)",
+    )  # fmt: skip
+    p.add_argument(
         "--force", action="store_true",
         help="start the ranks even where the estimate of their memory or cores exceeds this machine",
     )  # fmt: skip
@@ -278,6 +283,10 @@ def _main(argv: Sequence[str]) -> int:
             check_ranks(ns.nproc, None, None, "lowband run")
         except InvalidArgumentError as exc:
             parser.error(str(exc).removeprefix("lowband run: "))
+    if ns.replacements and not ns.keep_going:
+        parser.error("--replacements goes with --keep-going (a replacement joins ranks that went on)")
+    if ns.replacements < 0:
+        parser.error(f"--replacements must be >= 0, got {ns.replacements}")
     if ns.keep_going and ns.max_restarts is not None:
         parser.error("--keep-going and --max-restarts: choose one (survivors go on, or every rank restarts)")
     if ns.keep_going and not testbed:
@@ -322,7 +331,7 @@ def _main(argv: Sequence[str]) -> int:
         return run_script(
             layout, script, mode=ns.mode or "auto", mtu=ns.mtu, time_limit=ns.time_limit, report=ns.report,
             grace=ns.grace, env=env, log_dir=ns.log_dir, max_restarts=ns.max_restarts or 0,
-            keep_going=ns.keep_going,
+            keep_going=ns.keep_going, replacements=ns.replacements,
         )  # fmt: skip
     except KeyboardInterrupt:
         print("lowband run: interrupted; every rank stopped and the testbed removed", file=sys.stderr)

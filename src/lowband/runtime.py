@@ -44,6 +44,10 @@ class Context:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     store: Any = None
     owns_default_pg: bool = False
+    #: a replacement of a lost rank (``LOWBAND_JOIN=1``, set by ``lowband run --replacements``): its world
+    #: is itself alone until a strategy with ``on_peer_loss="continue"`` admits it
+    #: (:mod:`lowband.strategies.peer_join`); ``store`` is then the members' rendezvous store
+    joining: bool = False
     local_group: Group | None = None
     machine_group: Group | None = None
     #: per-rank state of subsystems built on the core (the decentralized topology, window
@@ -154,6 +158,8 @@ def init(
         if "nccl" in be:  # a failed or timed-out NCCL op raises in Python (lowband.comm.contract)
             contract.nccl_env()
         gtd = contract.group_timeout(config.timeout, be)  # NCCL's watchdog fires after lowband's error
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ and os.environ.get("LOWBAND_JOIN") == "1":
+            return _init_joiner(be, gtd, config, dev, eager)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             store, r, n = join_env(config.timeout)  # names the ranks that did not join, if any
             dist.init_process_group(be, store=store, rank=r, world_size=n, timeout=gtd, **eager)
@@ -169,6 +175,31 @@ def init(
     )
     _global = ctx
     _make_hierarchy(ctx)
+    atexit.unregister(_at_exit)
+    atexit.register(_at_exit)
+    return ctx
+
+
+def _init_joiner(
+    be: str, gtd: datetime.timedelta, config: Config, dev: torch.device, eager: dict[str, Any]
+) -> Context:
+    """:func:`init` for a replacement of a lost rank (``LOWBAND_JOIN=1``): the rank it replaces, in a world
+    of its own (torch's default group is this process alone) until a strategy admits it; its
+    :attr:`Context.store` is the view of the rendezvous store the members' default group has."""
+    global _global
+    import uuid
+
+    store, r, n = join_env(config.timeout)  # the world met long ago: every rank's key is there
+    own = PrefixStore(f"lowband/joiner/{r}/{uuid.uuid4().hex}", store)
+    dist.init_process_group(be, store=own, rank=0, world_size=1, timeout=gtd, **eager)
+    name = dist.distributed_c10d._get_default_group().group_name  # the members' default group: the same
+    world = Group(dist.group.WORLD, (r,), 0, "joiner")
+    ctx = Context(
+        r, n, 0, n, config, world, Tracer(r, config.trace), owns_default_pg=True, device=dev,
+        store=PrefixStore(f"{name}/", store), joining=True,
+    )  # fmt: skip
+    _global = ctx
+    ctx.local_group = world
     atexit.unregister(_at_exit)
     atexit.register(_at_exit)
     return ctx
@@ -274,7 +305,7 @@ def new_group(ranks: list[int], name: str | None = None) -> Group | None:
 def rendezvous_store(ctx: Context) -> Any:
     """The key-value store the ranks met through: the test harness's store for thread ranks, else the
     default process group's store (torch keeps it private; this is the one place lowband reads it)."""
-    if ctx.threaded:
+    if ctx.threaded or ctx.joining:
         return ctx.store
     from torch.distributed.distributed_c10d import _get_default_store
 

@@ -319,10 +319,10 @@ class DiLoCoStrategy(DiLoCoAuto, PeerLoss):
                 self.sent[k] = sent
                 raise
 
-        def regroup(group: Group) -> None:
-            self.outer_group = group.unchecked()
+        self.survive(sum(self.sent), average)
 
-        self.survive(sum(self.sent), average, regroup)
+    def regroup(self, group: Group) -> None:
+        self.outer_group = group.unchecked()
 
     @torch.no_grad()
     def _apply(self, k: int) -> None:

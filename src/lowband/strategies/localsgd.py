@@ -107,16 +107,16 @@ class LocalSGDStrategy(PeerLoss):
             with comm_errors(self.name, "step (model averaging)", self.group):
                 self.averager.average_parameters(params=groups)
 
-        def regroup(group: Group) -> None:
-            count = self.averager.step
-            self.averager = PeriodicModelAverager(period=self.period, warmup_steps=0, process_group=group.pg)
-            self.averager.step = count
-            self.post.averager = self.averager
-
         if self.averager.step % self.period != 0:
             self.averager.step += 1  # no averaging at this step
             return
-        self.survive(self.averager.step // self.period, average, regroup)
+        self.survive(self.averager.step // self.period, average)
+
+    def regroup(self, group: Group) -> None:
+        count = self.averager.step
+        self.averager = PeriodicModelAverager(period=self.period, warmup_steps=0, process_group=group.pg)
+        self.averager.step = count
+        self.post.averager = self.averager
 
     def in_sync(self) -> bool:
         # torch's averager counts its calls from 0 and averages when count % period == 0,

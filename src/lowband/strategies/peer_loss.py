@@ -73,6 +73,7 @@ from lowband.group import Group
 from lowband.optim.nonfinite import NonFiniteGuard
 from lowband.options import Opt, Options
 from lowband.runtime import current, open_group, rendezvous_store
+from lowband.strategies import peer_join
 from lowband.strategies.peer_heartbeat import Heartbeating, Noticed
 from lowband.teardown import break_group
 
@@ -121,7 +122,7 @@ class PeerLoss(Heartbeating):
         self, policy: str, min_ranks: int | None, settle: float, heartbeat: float | None = None
     ) -> None:
         where = f"strategy {self.name!r} (on_peer_loss={policy!r}) on rank {self.group.world_rank}"
-        if min_ranks is not None and min_ranks > self.group.size:
+        if min_ranks is not None and min_ranks > self.group.size and not current(where).joining:
             raise InvalidArgumentError(
                 f"{where}: min_ranks={min_ranks} is more than the group's {self.group.size} ranks"
             )
@@ -210,16 +211,41 @@ class PeerLoss(Heartbeating):
             self.nonfinite = guard
 
     # -- surviving ----------------------------------------------------------------------------------
-    def survive(self, exchange: int, average: Callable[[], None], regroup: Callable[[Group], None]) -> None:
+    def survive(self, exchange: int, average: Callable[[], None]) -> None:
         """Run ``average()`` (this exchange's averaging on :attr:`group`); under ``continue``, when a
-        peer is lost (now or noticed earlier), agree on the members, ``regroup(new group)`` and run
-        ``average()`` again among them. ``average`` must leave the state untouched when it raises."""
+        peer is lost (now or noticed earlier), agree on the members, move to their group
+        (:meth:`install_group`) and run ``average()`` again among them; and admit the replacements of lost
+        ranks that asked to join (:mod:`lowband.strategies.peer_join`). ``average`` must leave the state
+        untouched when it raises."""
         if self.peer_loss != "continue":
             self.collective(average)
-        else:
-            self.collective(lambda: self._survive(exchange, average, regroup))
+            return
 
-    def _survive(self, exchange: int, average: Callable[[], None], regroup: Callable[[Group], None]) -> None:
+        def exchange_and_admit() -> None:
+            peer_join.propose(self, exchange)  # (before the averaging: module docstring there)
+            self._survive(exchange, average)
+            peer_join.admit(self, exchange)
+
+        self.collective(exchange_and_admit)
+
+    def regroup(self, group: Group) -> None:
+        """Rebuild what holds the strategy's group (its averager, its exchange) on ``group``."""
+        raise NotImplementedError(f"strategy {self.name!r} cannot change its group")
+
+    def install_group(self, group: Group) -> None:
+        """Make ``group`` the strategy's group: its own parts (:meth:`regroup`), the non-finite guard and
+        the heartbeat."""
+        self.group = group
+        self.regroup(group)
+        if self.nonfinite is not None:
+            policy, skipped = self.nonfinite.policy, self.nonfinite.skipped
+            self.set_nonfinite(policy)
+            assert self.nonfinite is not None
+            self.nonfinite.skipped = skipped
+        self._lost = None
+        self._start_heartbeat()
+
+    def _survive(self, exchange: int, average: Callable[[], None]) -> None:
         alarms = 0  # agreements that found every member alive (a false alarm: the group is rebuilt once)
         while True:
             if self._lost is None:
@@ -259,15 +285,7 @@ class PeerLoss(Heartbeating):
                 raise CommFailedError(
                     f"{where}: the group of ranks {list(members)} could not be made: {exc}"
                 ) from exc
-            self.group = group
-            regroup(group)
-            if self.nonfinite is not None:
-                policy, skipped = self.nonfinite.policy, self.nonfinite.skipped
-                self.set_nonfinite(policy)
-                assert self.nonfinite is not None
-                self.nonfinite.skipped = skipped
-            self._lost = None
-            self._start_heartbeat()
+            self.install_group(group)
             event: dict[str, Any] = {
                 "lost_ranks": sorted(set(old.ranks) - set(members)),
                 "members": list(members),

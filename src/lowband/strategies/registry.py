@@ -151,4 +151,8 @@ def make_strategy(
         strategy.close()  # a refused option leaves the model without the strategy's hooks
         raise
     strategy.agreed_config = config  # saved in its checkpoints, compared when one is loaded
+    if ctx.joining:  # a replacement of a lost rank: admitted by the members, with a live member's state
+        from lowband.strategies.peer_join import join_if_replacement
+
+        join_if_replacement(strategy, where)
     return strategy

@@ -287,11 +287,13 @@ class Testbed:
         env: Mapping[str, str] | None = None,
         stdout: Any = None,
         stderr: Any = None,
+        ranks: Sequence[int] | None = None,
     ) -> list[subprocess.Popen[bytes]]:
         """Start one process per rank running ``argv`` in its machine's namespace (own session each).
 
         The environment is ``os.environ`` + ``env`` + :meth:`rank_env`. ``stdout``/``stderr`` are
-        passed to :class:`subprocess.Popen`; a list or tuple gives one per rank.
+        passed to :class:`subprocess.Popen`; a list or tuple gives one per rank. ``ranks``: only these
+        (a replacement of a lost rank), default every rank.
         """
         if not self._up:
             raise LowbandError(
@@ -303,7 +305,7 @@ class Testbed:
             )
         n = self.layout.world_size
         cmds, envs = [], []
-        for rank in range(n):
+        for rank in range(n) if ranks is None else ranks:
             ns = self.machine_ns(self.layout.machine_of(rank))
             cmds.append(["ip", "netns", "exec", ns, *argv] if self.shaped else list(argv))
             envs.append({**os.environ, **(env or {}), **self.rank_env(rank)})
@@ -380,4 +382,4 @@ class Testbed:
         everything left is killed and :class:`CommTimeoutError` names the ranks still running.
         ``exited`` (a list) receives the ranks in the order they were seen to end.
         """
-        return wait_procs(procs, timeout, grace=grace, exited=exited)
+        return wait_procs(list(procs), timeout, grace=grace, exited=exited)

@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lowband.blame import proc_state
@@ -61,7 +61,7 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
 
 
 def wait_procs(
-    procs: Sequence[subprocess.Popen[bytes]],
+    procs: list[subprocess.Popen[bytes]],
     timeout: float,
     *,
     grace: float = 30.0,
@@ -70,6 +70,7 @@ def wait_procs(
     killed: list[int] | None = None,
     ended_at: dict[int, float] | None = None,
     keep_going: bool = False,
+    replace: Callable[[int, int], subprocess.Popen[bytes] | None] | None = None,
 ) -> list[int]:
     """:meth:`Testbed.wait` for any processes started with ``start_new_session=True``; ``exited``, when
     given, receives the indices of the processes in the order they were seen to end (of those seen in
@@ -84,7 +85,8 @@ def wait_procs(
     ``keep_going`` (``lowband run --keep-going``): a failed process does not end the others, which
     train on without it. The grace period starts when the first process ends *successfully* (the
     survivors end together); a stopped process is killed (and put in ``stopped``) once every other one
-    has ended."""
+    has ended. ``replace`` (with ``keep_going``): called with the index and exit code of a process that
+    failed while none had ended successfully; a process it returns takes its place in ``procs`` (a replacement that joins the survivors), None: it stays lost."""
     if timeout <= 0 or grace < 0:
         raise InvalidArgumentError(
             f"lowband.testbed.wait: need timeout > 0 and grace >= 0, got {timeout}, {grace}"
@@ -93,6 +95,14 @@ def wait_procs(
     kill_at: float | None = None
     while True:
         codes = [p.poll() for p in procs]
+        if keep_going and replace is not None:
+            for r, c in enumerate(codes):
+                if c not in (None, 0) and not any(x == 0 for x in codes):
+                    joiner = replace(r, c)
+                    if joiner is not None:
+                        procs[r], codes[r] = joiner, None  # (the caller's list: it sees the replacement)
+                        if ended_at is not None:
+                            ended_at.pop(r, None)
         if ended_at is not None:
             now_wall = time.time()
             for r, c in enumerate(codes):

@@ -66,6 +66,7 @@ def run_script(
     log_dir: str | None = None,
     max_restarts: int = 0,
     keep_going: bool = False,
+    replacements: int = 0,
 ) -> int:
     """Run ``python ARGV`` on every rank of ``layout`` in the testbed (through :mod:`lowband.rank_main`:
     ``ARGV`` is ``SCRIPT ARGS`` or ``-m MODULE ARGS``); print the link bytes; returns the exit status
@@ -81,11 +82,14 @@ def run_script(
     ``on_peer_loss="continue"`` trains on without it). The launcher hosts the rendezvous store
     (:func:`~lowband.testbed.store_host.launcher_store`: it outlives every rank, rank 0 included), and
     the run succeeds (0) when at least one rank ended successfully; the lost ranks are named on stderr,
-    one line per distinct cause."""
+    one line per distinct cause. ``replacements`` (with ``keep_going``): a rank that fails is started
+    again, at most that many times in all, with ``LOWBAND_JOIN=1``: it joins the survivors at their next
+    exchange and takes its state from a live peer (:mod:`lowband.strategies.peer_join`)."""
     out = out or sys.stdout
     limit = math.inf if time_limit is None else time_limit
     folders = LaunchFolders(log_dir, "lowband-run")
     ends: dict[int, RankEnd] = {}
+    replaced: list[tuple[int, int]] = []  # (rank, exit status) of each rank replaced
     try:
         with Testbed(layout, mode=mode, mtu=mtu) as tb, contextlib.ExitStack() as stack:
             print(f"lowband run: {tb.label()}", file=sys.stderr, flush=True)
@@ -102,11 +106,23 @@ def run_script(
                 }  # fmt: skip
                 procs = tb.spawn([sys.executable, RANK_MAIN, *argv], env=rank_env)
                 timed_out, stopped, killed, ended_at = "", list[int](), list[int](), dict[int, float]()
+
+                def replace(r: int, code: int, rank_env: dict[str, str] = rank_env) -> Any:
+                    if len(replaced) >= replacements:
+                        return None
+                    replaced.append((r, code))
+                    print(
+                        f"lowband run: rank {r} ended with status {code}; a replacement joins the others at "
+                        f"their next exchange ({len(replaced)} of {replacements})", file=sys.stderr, flush=True,
+                    )  # fmt: skip
+                    joiner_env = {**rank_env, "LOWBAND_JOIN": "1"}
+                    return tb.spawn([sys.executable, RANK_MAIN, *argv], env=joiner_env, ranks=[r])[0]
+
                 try:
                     left = limit - (time.monotonic() - started)
                     codes = wait_procs(
                         procs, left, grace=grace, stopped=stopped, killed=killed, ended_at=ended_at,
-                        keep_going=keep_going,
+                        keep_going=keep_going, replace=replace if replacements else None,
                     )  # fmt: skip
                 except CommTimeoutError as exc:
                     timed_out = str(exc).replace("lowband.testbed.wait: ", "--time-limit: ")
@@ -134,12 +150,19 @@ def run_script(
                 ends, read_reports(folders.reports), seen, "lowband run", folders.logs, "lowband run"
             )
             went_on = [r for r, c in enumerate(codes) if c == 0] if keep_going else []
+            for r, code in replaced:
+                lines.append(
+                    f"lowband run: rank {r} ended with status {code} and was replaced (it joined again)"
+                )
             if went_on:
                 lines.insert(0, f"lowband run: --keep-going: {rank_list(went_on)} trained on and ended "
                              f"successfully; lost: {rank_list(list(ends))}")  # fmt: skip
             print("\n".join(lines), file=sys.stderr)
         if report:
             _write_report(Path(report), label, shaped, layout, codes, before, after)
+        if replaced and not ends:
+            print(f"lowband run: replaced {', '.join(f'rank {r} (status {c})' for r, c in replaced)}; every rank "
+                  "ended successfully", file=sys.stderr)  # fmt: skip
         if keep_going and not timed_out and any(c == 0 for c in codes):
             return 0  # (the lost ranks' logs are kept and named above)
         return 1 if ends or timed_out else 0

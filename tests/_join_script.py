@@ -1,0 +1,47 @@
+"""A user's script for ``lowband run --keep-going --replacements 1`` (tests/test_peer_join.py): local
+SGD with ``on_peer_loss=continue`` on a linear model; rank ``DIE`` kills itself at step 6 of the first
+incarnation; its replacement (``LOWBAND_JOIN=1``) goes on from the step it was admitted at
+(``strategy.steps``). ``JOIN_PERIOD`` gives the replacement another period (a refused join). Every rank
+that ends writes ``OUT/rankR.json``: its parameters, its peer-loss events, the step it started at."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+import lowband
+from lowband.strategies import make_strategy
+
+folder = sys.argv[1]
+lowband.init()
+r = lowband.rank()
+joining = os.environ.get("LOWBAND_JOIN") == "1"
+torch.manual_seed(0)
+m = torch.nn.Linear(8, 1)
+period = int(os.environ.get("JOIN_PERIOD", "4")) if joining else 4
+opts: dict[str, Any] = {"period": period, "on_peer_loss": "continue", "peer_settle": 0.5}
+s = make_strategy("localsgd", m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), **opts)
+start = s.steps  # 0, or where a replacement was admitted
+for step in range(start, 101):  # torch's averager averages after steps 1, 5, 9, ..., 101
+    if r == int(os.environ.get("DIE", "-1")) and step == 6 and not joining:
+        os.kill(os.getpid(), signal.SIGKILL)
+    g = torch.Generator().manual_seed(1000 * r + step)
+    x = torch.randn(4, 8, generator=g)
+
+    def loss(mm: torch.nn.Module, x: torch.Tensor = x) -> torch.Tensor:
+        out: torch.Tensor = mm(x).pow(2).mean()
+        return out
+
+    s.train_step(loss)
+    time.sleep(0.1)  # the replacement needs a few seconds to start: the others train meanwhile
+s.synchronize()
+with open(os.path.join(folder, f"rank{r}.json"), "w") as f:
+    json.dump({"params": [p.detach().flatten().tolist() for p in m.parameters()], "start": start,
+               "events": s.report().get("peer_loss")}, f)  # fmt: skip
+lowband.shutdown()

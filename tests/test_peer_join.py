@@ -1,0 +1,52 @@
+"""A replacement of a lost rank joins the survivors (``lowband run --keep-going --replacements``): it
+takes a live member's state over the data path at their next exchange and trains on with them; a
+replacement whose configuration differs is refused, naming the option."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).parent
+SCRIPT = TESTS / "_join_script.py"
+
+
+def _run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR", **env}
+    return subprocess.run(
+        [sys.executable, "-m", "lowband.cli", "run", *args], capture_output=True, text=True, timeout=200, env=full,
+        cwd=tmp_path,
+    )  # fmt: skip
+
+
+def test_a_replacement_joins_and_trains_on(tmp_path: Path) -> None:
+    out = _run(
+        ["-n", "3", "--keep-going", "--replacements", "1", str(SCRIPT), str(tmp_path)], tmp_path, DIE="2"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)}
+    assert got[2]["start"] > 6, got[2]["start"]  # the replacement went on from where it was admitted
+    for r in range(3):  # every rank, the replacement included, ends averaged with the others
+        assert got[r]["params"] == got[0]["params"], r
+    joined = [e for e in got[0]["events"] if "joined_ranks" in e]
+    assert [e["joined_ranks"] for e in joined] == [[2]] and joined[0]["members"] == [0, 1, 2], got[0][
+        "events"
+    ]
+    (mine,) = [e for e in got[2]["events"] if "joined_ranks" in e]
+    assert mine["state_bytes"] > 0 and mine["donor"] == 0 and mine["step"] == got[2]["start"], mine
+    assert "rank 2 ended with status -9; a replacement joins" in out.stderr, out.stderr
+
+
+def test_a_replacement_with_another_configuration_is_refused(tmp_path: Path) -> None:
+    out = _run(
+        ["-n", "3", "--keep-going", "--replacements", "1", str(SCRIPT), str(tmp_path)], tmp_path, DIE="2",
+        JOIN_PERIOD="5",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]  # the survivors finish
+    assert not (tmp_path / "rank2.json").exists()
+    log = next((tmp_path / "logs").glob("rank2*.log"), None) if (tmp_path / "logs").exists() else None
+    said = out.stderr + (log.read_text() if log else "")
+    assert "the members refused it: its configuration differs" in said and "period" in said, said[-3000:]
