@@ -39,10 +39,13 @@ SCRIPT = ROOT / "examples" / "peer_loss_train.py"
 STRATEGIES = ("localsgd:period=20", "diloco:inner_steps=20")
 
 
-def _run(out: Path, ns: argparse.Namespace, spec: str, extra: list[str]) -> dict[int, dict[str, Any]]:
+def _run(
+    out: Path, ns: argparse.Namespace, spec: str, extra: list[str], replace: bool = False
+) -> dict[int, dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "lowband.cli", "run", "-n", str(ns.ranks), "--rate", ns.rate, "--keep-going",
+        *(["--replacements", "1"] if replace else []),
         "--log-dir", str(out / "logs"), str(SCRIPT), "-s", spec, "-w", ns.workload, "--steps", str(ns.steps),
         "--seed", str(ns.seed), "--eval-items", str(ns.eval_items), "--out", str(out), *extra,
     ]  # fmt: skip
@@ -60,24 +63,52 @@ def _run(out: Path, ns: argparse.Namespace, spec: str, extra: list[str]) -> dict
     }
 
 
-def _killed(out: Path, ns: argparse.Namespace, spec: str, rank: int, step: int) -> dict[str, Any]:
-    ranks = _run(out, ns, spec, ["--die-rank", str(rank), "--die-step", str(step)])
+def _killed(
+    out: Path, ns: argparse.Namespace, spec: str, rank: int, step: int, replace: bool
+) -> dict[str, Any]:
+    extra = ["--die-rank", str(rank), "--die-step", str(step)]
+    ranks = _run(out, ns, spec, extra, replace)
     death = json.loads((out / f"death{rank}.json").read_text())
-    per_step = next(iter(ranks.values()))["items"] / ns.steps  # items of one rank's step
+    per_step = ranks[min(r for r in ranks if r != rank)]["items"] / ns.steps  # items of one rank's step
     items = sum(d["items"] for d in ranks.values()) + death["step"] * per_step
     survivors = {}
     for r, d in sorted(ranks.items()):
+        if r == rank:
+            continue
         ends = d["step_ends"]
-        (event,) = d["peer_loss"]
+        (event,) = [e for e in d["peer_loss"] if "lost_ranks" in e]
         survivors[r] = {
             "next_step_s": min(t for t in ends if t > death["time"]) - death["time"],
             "recovered_s": ends[event["step"] - 1] - death["time"],
             "event": event,
             "final_eval": d["final_eval"],
         }
-    final = statistics.mean(s["final_eval"] for s in survivors.values())
-    return {"killed_rank": rank, "killed_at_step": step, "items": items, "items_per_rank_step": per_step,
-            "survivors": survivors, "final_eval": final}  # fmt: skip
+    out_: dict[str, Any] = {"killed_rank": rank, "killed_at_step": step, "items": items,
+                            "items_per_rank_step": per_step, "survivors": survivors}  # fmt: skip
+    finals = [s["final_eval"] for s in survivors.values()]
+    if replace and rank in ranks:  # the replacement joined and trained on
+        d = ranks[rank]
+        (joined,) = [e for e in d["peer_loss"] if "joined_ranks" in e]
+        out_["replacement"] = {
+            "joined_at_step": d["start"],
+            "started_after_death_s": d["began"] - death["time"],
+            "started_to_contributing_s": d["step_ends"][0] - d["began"],
+            "death_to_contributing_s": d["step_ends"][0] - death["time"],
+            "event": joined,
+            "state_link_s": joined["state_bytes"] * 8 / _bits(ns.rate),
+        }
+        finals.append(d["final_eval"])
+    out_["final_eval"] = statistics.mean(finals)
+    return out_
+
+
+def _bits(rate: str) -> float:
+    from lowband.testbed.rates import parse_rate
+
+    bits = parse_rate(rate)
+    if bits is None:
+        raise SystemExit(f"--rate {rate}: give a link rate (the transfer is compared with it)")
+    return bits
 
 
 def main() -> None:
@@ -89,6 +120,9 @@ def main() -> None:
     ap.add_argument("--rate", default="100mbit")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--kills", type=int, default=3)
+    ap.add_argument(
+        "--replaced", type=int, default=1, help="more killed runs, each with a replacement that joins"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-items", type=int, default=2000)
     ap.add_argument("--run-timeout", type=float, default=900.0)
@@ -101,8 +135,8 @@ def main() -> None:
         print(f"{spec}:", flush=True)
         kills = [
             _killed(ns.out / slug / f"kill{i}", ns, spec, pick.randrange(ns.ranks),
-                    pick.randrange(int(0.2 * ns.steps), int(0.8 * ns.steps)))
-            for i in range(ns.kills)
+                    pick.randrange(int(0.2 * ns.steps), int(0.8 * ns.steps)), replace=i >= ns.kills)
+            for i in range(ns.kills + ns.replaced)
         ]  # fmt: skip
         # the undisturbed run evaluates at each killed run's number of samples (in whole steps of all ranks)
         per_rank_step = kills[0]["items_per_rank_step"]
@@ -125,8 +159,9 @@ def main() -> None:
 
 def _table(results: dict[str, Any]) -> str:
     lines = [
-        "| strategy | killed | next step (s) | recovered (s) | noticed at | agreement (s) | loss | undisturbed | ratio |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| strategy | killed | next step (s) | recovered (s) | noticed at | agreement (s) | replacement | loss "
+        "| undisturbed | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for spec, res in results["strategies"].items():
         for k in res["kills"]:
@@ -135,9 +170,16 @@ def _table(results: dict[str, Any]) -> str:
             rec = [s["recovered_s"] for s in sv]
             agree = [s["event"]["agree_s"] for s in sv]
             noticed = sorted({s["event"]["noticed_at"] for s in sv})
+            rep = k.get("replacement")
+            joined = (
+                "-" if rep is None else
+                f"started {rep['started_after_death_s']:.1f} s after the death, contributing {rep['started_to_contributing_s']:.1f} s "
+                f"later (step {rep['joined_at_step']}; state {rep['event']['state_bytes'] / 1e6:.1f} MB: "
+                f"{rep['event']['transfer_s']:.2f} s, {rep['state_link_s']:.2f} s at the link rate)"
+            )  # fmt: skip
             lines.append(
                 f"| `{spec}` | rank {k['killed_rank']} at step {k['killed_at_step']} | {min(nxt):.2f}-{max(nxt):.2f} "
-                f"| {min(rec):.2f}-{max(rec):.2f} | {', '.join(noticed)} | {min(agree):.2f}-{max(agree):.2f} "
+                f"| {min(rec):.2f}-{max(rec):.2f} | {', '.join(noticed)} | {min(agree):.2f}-{max(agree):.2f} | {joined} "
                 f"| {k['final_eval']:.4f} | {k['undisturbed_eval']:.4f} (step {k['undisturbed_steps']}) "
                 f"| {k['loss_ratio']:.4f} |"
             )

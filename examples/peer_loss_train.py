@@ -3,6 +3,8 @@
 
     lowband run -n 4 --rate 100mbit --keep-going examples/peer_loss_train.py --out /tmp/pl --die-rank 2 --die-step 120
     lowband run -n 4 --keep-going examples/peer_loss_train.py --out /tmp/pl          # nobody dies
+    lowband run -n 4 --rate 100mbit --keep-going --replacements 1 examples/peer_loss_train.py --out /tmp/pl \
+        --die-rank 2 --die-step 120                                                  # and it is replaced
 
 When a rank dies the survivors agree on the new membership at their next exchange and train on (the
 strategy's group, ``strategy.group``, is then theirs); this script re-splits the data among them (the
@@ -11,7 +13,8 @@ makes rank R SIGKILL itself at the start of step K (after writing the time it di
 ``benchmarks/peer_loss.py`` can measure how long the survivors take to go on. Each rank that ends
 writes ``OUT/rankR.json``: its step end times and losses, the samples it trained on, the peer-loss
 events, and the held-out loss of the members' averaged model (at the end, and at the steps of
-``--eval-at``).
+``--eval-at``). Under ``lowband run --keep-going --replacements 1`` the lost rank's replacement joins
+the others at their next exchange with a live member's state and trains on from ``strategy.steps``.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def main() -> None:
     ap.add_argument("--die-step", type=int, default=-1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-
+    began = time.time()
     lowband.init()
     rank = lowband.rank()
     torch.manual_seed(args.seed)
@@ -77,17 +80,19 @@ def main() -> None:
     s = make_strategy(name, model, lambda ps: wl.make_optimizer(ps), **options)
     eval_at = {int(x) for x in args.eval_at.split(",") if x}
 
-    def shard(epoch: int) -> Iterator[Any]:  # this member's batches among the current members
-        return iter(wl.batches(s.group.rank, s.group.size, args.batch, mix_seed(args.seed, epoch)))
+    def shard(step: int) -> Iterator[Any]:  # this member's batches among the current members
+        return iter(wl.batches(s.group.rank, s.group.size, args.batch, mix_seed(args.seed, step)))
 
-    members, epoch = s.group.ranks, 0
-    data = shard(epoch)
+    joining = os.environ.get("LOWBAND_JOIN") == "1"  # a replacement (lowband run --replacements)
+    start = s.steps  # 0, or the step a replacement was admitted at
+    members = s.group.ranks
+    data = shard(start)
     ends, losses, items, evals = [], [], 0, {}
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         if s.group.ranks != members:  # the membership changed: re-split the data among the members
-            members, epoch = s.group.ranks, epoch + 1
-            data = shard(epoch)
-        if rank == args.die_rank and step == args.die_step:
+            members = s.group.ranks
+            data = shard(step)
+        if rank == args.die_rank and step == args.die_step and not joining:
             with open(os.path.join(args.out, f"death{rank}.json"), "w") as f:
                 json.dump({"rank": rank, "step": step, "time": time.time()}, f)
                 f.flush()
@@ -107,8 +112,9 @@ def main() -> None:
     final = averaged_eval(s, wl, args.eval_items)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(
-            {"rank": rank, "members": list(s.group.ranks), "step_ends": ends, "losses": losses, "items": items,
-             "evals": evals, "final_eval": final, "peer_loss": s.report().get("peer_loss", [])},
+            {"rank": rank, "members": list(s.group.ranks), "began": began, "start": start, "step_ends": ends,
+             "losses": losses, "items": items, "evals": evals, "final_eval": final,
+             "peer_loss": s.report().get("peer_loss", [])},
             f,
         )  # fmt: skip
     lowband.shutdown()

@@ -152,7 +152,7 @@ def run_script(
             went_on = [r for r, c in enumerate(codes) if c == 0] if keep_going else []
             for r, code in replaced:
                 lines.append(
-                    f"lowband run: rank {r} ended with status {code} and was replaced (it joined again)"
+                    f"lowband run: rank {r} ended with status {code}; a replacement was started in its place"
                 )
             if went_on:
                 lines.insert(0, f"lowband run: --keep-going: {rank_list(went_on)} trained on and ended "
