@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).parent
 SCRIPT = TESTS / "_join_script.py"
 
@@ -22,10 +24,10 @@ def _run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedPro
     )  # fmt: skip
 
 
-def test_a_replacement_joins_and_trains_on(tmp_path: Path) -> None:
-    out = _run(
-        ["-n", "3", "--keep-going", "--replacements", "1", str(SCRIPT), str(tmp_path)], tmp_path, DIE="2"
-    )
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+def test_a_replacement_joins_and_trains_on(strategy: str, tmp_path: Path) -> None:
+    args = ["-n", "3", "--keep-going", "--replacements", "1", str(SCRIPT), str(tmp_path)]
+    out = _run(args, tmp_path, DIE="2", STRATEGY=strategy)
     assert out.returncode == 0, out.stderr[-3000:]
     got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)}
     assert got[2]["start"] > 6, got[2]["start"]  # the replacement went on from where it was admitted

@@ -10,8 +10,8 @@
 - *The members*, at each exchange while a world rank is missing: before the averaging,
   :func:`propose` reads the requests of the missing ranks, refuses those whose configuration (options,
   model layout, tied parameters) differs from theirs, naming the fields, and proposes the others for this
-  exchange (one ``compare_set``: the first proposal stays); after the averaging, :func:`admit` reads the
-  proposal and, if there is one, admits: a new group over members and replacements, the lowest member
+  exchange (one ``compare_set``: the first proposal stays); after the exchange's step, :func:`admit`
+  reads the proposal and, if there is one, admits: a new group over members and replacements, the lowest member
   (the donor) sends its state to each replacement, and every rank checks that each replacement received
   the bytes the donor sent (SHA-256, exchanged by all: one error on every rank otherwise).
 
@@ -85,7 +85,8 @@ def propose(s: PeerLoss, exchange: int) -> None:
 
 
 def admit(s: PeerLoss, exchange: int) -> None:
-    """Members, after exchange ``exchange``'s averaging: admit the replacements proposed for it."""
+    """Members, after the step of exchange ``exchange`` (the state is the whole step's): admit the
+    replacements proposed for it."""
     if not _absent(s):
         return
     where = _where(s)
@@ -111,17 +112,17 @@ def admit(s: PeerLoss, exchange: int) -> None:
             }
             wire.answer(store, s._membership_key, r, nonce, said, where)
             wire.withdraw(store, s._membership_key, r)
+    if s.nonfinite is not None:  # the agreements in flight on the old group are read there, by all
+        s.nonfinite.settle()
     group = _open(s, members, key)
     payload = None
     if s.group.world_rank == donor:
         buf = io.BytesIO()
-        state = s.state_dict()
-        state["steps"] = s.steps + 1  # admitted inside step steps + 1, after its update: the state after it
-        torch.save(state, buf)
+        torch.save(s.state_dict(), buf)
         payload = buf.getvalue()
     sent = _transfer(s, group, payload, members.index(donor), list(joiners))
     s.install_group(group)
-    event = {"joined_ranks": sorted(joiners), "members": list(members), "step": s.steps + 1, "exchange": exchange,
+    event = {"joined_ranks": sorted(joiners), "members": list(members), "step": s.steps, "exchange": exchange,
              "donor": donor, "state_bytes": sent, "admit_s": round(time.monotonic() - began, 4)}  # fmt: skip
     s.peer_losses.append(event)
 

@@ -118,6 +118,9 @@ class PeerLoss(Heartbeating):
     offer them. A strategy calls :meth:`init_peer_loss` after ``Strategy.__init__``, runs its exchange's
     averaging through :meth:`survive` (or, where it never survives a loss, through :meth:`collective`)."""
 
+    #: the exchange of this step, whose proposed replacements are admitted after the step
+    _admit_at: int | None = None
+
     def init_peer_loss(
         self, policy: str, min_ranks: int | None, settle: float, heartbeat: float | None = None
     ) -> None:
@@ -221,12 +224,18 @@ class PeerLoss(Heartbeating):
             self.collective(average)
             return
 
-        def exchange_and_admit() -> None:
+        def exchange_and_propose() -> None:
             peer_join.propose(self, exchange)  # (before the averaging: module docstring there)
             self._survive(exchange, average)
-            peer_join.admit(self, exchange)
+            self._admit_at = exchange  # read once the step is whole (after_step)
 
-        self.collective(exchange_and_admit)
+        self.collective(exchange_and_propose)
+
+    def after_step(self) -> None:
+        super().after_step()
+        if self._admit_at is not None:  # replacements proposed at this step's exchange join now
+            exchange, self._admit_at = self._admit_at, None
+            self.collective(lambda: peer_join.admit(self, exchange))
 
     def regroup(self, group: Group) -> None:
         """Rebuild what holds the strategy's group (its averager, its exchange) on ``group``."""
