@@ -68,3 +68,21 @@ def test_the_run_fails_when_every_rank_fails(tmp_path: Path) -> None:
     out = _run(["-n", "2", "--keep-going", "job.py"], tmp_path)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "--keep-going:" not in out.stderr and "ranks 0, 1" in out.stderr, out.stderr
+
+
+def test_death_notices_count_only_deaths_recorded_after_they_were_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed import HashStore, PrefixStore  # type: ignore[attr-defined]
+
+    from lowband.comm.deaths import DeathNotices, record_death
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-x")
+    raw = HashStore()
+    record_death(raw, "run-x", 1, 2, -9)  # before: not this membership's
+    seen = DeathNotices(PrefixStore("0/", PrefixStore("attempt", raw)))  # read through a rank's view
+    assert seen.new() == []
+    record_death(raw, "run-x", 2, 3, -9)
+    record_death(raw, "run-other", 1, 1, -9)  # another run's
+    record_death(raw, "run-x", 3, 0, 1)
+    assert seen.new() == [(3, -9), (0, 1)] and seen.new() == []

@@ -67,6 +67,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from lowband.comm.deaths import DeathNotices
 from lowband.comm.membership import agree
 from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError
 from lowband.group import Group
@@ -139,12 +140,14 @@ class PeerLoss(Heartbeating):
         self.peer_losses: list[dict[str, Any]] = []
         self._epochs = 0  # membership agreements started (each under a key of its own)
         self._watched = 0.0  # when _watch_peers last read the store
+        self._deaths: DeathNotices | None = None
         ctx = current(where)
         counters = ctx.state.setdefault("lowband.peer_loss", itertools.count())
         self._membership_key = f"lowband/membership/{next(counters)}"
         if policy == "continue":
             self.no_grad_scaler_reason = "on_peer_loss=continue steps without a grad scaler"
         self._start_heartbeat()
+        self._watch_deaths()
 
     # -- noticing ---------------------------------------------------------------------------------
     def peer_watch(self) -> Callable[[], None] | None:
@@ -167,12 +170,15 @@ class PeerLoss(Heartbeating):
         store = rendezvous_store(current(where))
         key = self._noticed_key()
         try:
-            if not store.check([key]):
-                return
-            said = bytes(store.get(key)).decode()
+            deaths = [] if self._deaths is None else self._deaths.new()
+            said = bytes(store.get(key)).decode() if store.check([key]) else ""
         except (RuntimeError, TimeoutError) as exc:
             raise CommFailedError(f"{where}: the rendezvous store failed: {exc}") from exc
-        raise CommFailedError(f"{where}: {said}")
+        dead = [(r, c) for r, c in deaths if r in self.group.ranks and r != self.group.world_rank]
+        if dead:
+            said = ", ".join(f"rank {r} ended with status {c}" for r, c in dead) + " (seen by the launcher)"
+        if said:
+            raise CommFailedError(f"{where}: {said}")
 
     def check_nonfinite(self) -> bool:
         return self.guarded(super().check_nonfinite, "the non-finite agreement")
@@ -253,6 +259,17 @@ class PeerLoss(Heartbeating):
             self.nonfinite.skipped = skipped
         self._lost = None
         self._start_heartbeat()
+        self._watch_deaths()
+
+    def _watch_deaths(self) -> None:
+        """Under ``continue``: read the deaths the launcher records from now on (:mod:`lowband.comm.deaths`)."""
+        if self.peer_loss != "continue":
+            return
+        where = f"strategy {self.name!r} (on_peer_loss='continue') on rank {self.group.world_rank}"
+        try:
+            self._deaths = DeathNotices(rendezvous_store(current(where)))
+        except (RuntimeError, TimeoutError) as exc:
+            raise CommFailedError(f"{where}: the rendezvous store failed: {exc}") from exc
 
     def _survive(self, exchange: int, average: Callable[[], None]) -> None:
         alarms = 0  # agreements that found every member alive (a false alarm: the group is rebuilt once)

@@ -85,19 +85,22 @@ def wait_procs(
     ``keep_going`` (``lowband run --keep-going``): a failed process does not end the others, which
     train on without it. The grace period starts when the first process ends *successfully* (the
     survivors end together); a stopped process is killed (and put in ``stopped``) once every other one
-    has ended. ``replace`` (with ``keep_going``): called with the index and exit code of a process that
-    failed while none had ended successfully; a process it returns takes its place in ``procs`` (a replacement that joins the survivors), None: it stays lost."""
+    has ended. ``replace`` (with ``keep_going``): called once with the index and exit code of each
+    process that failed while none had ended successfully; a process it returns takes its place in
+    ``procs`` (a replacement that joins the survivors), None: it stays lost."""
     if timeout <= 0 or grace < 0:
         raise InvalidArgumentError(
             f"lowband.testbed.wait: need timeout > 0 and grace >= 0, got {timeout}, {grace}"
         )
     deadline = time.monotonic() + timeout
     kill_at: float | None = None
+    offered: set[int] = set()  # the failed processes ``replace`` was called for (once each)
     while True:
         codes = [p.poll() for p in procs]
         if keep_going and replace is not None:
             for r, c in enumerate(codes):
-                if c not in (None, 0) and not any(x == 0 for x in codes):
+                if c not in (None, 0) and id(procs[r]) not in offered and not any(x == 0 for x in codes):
+                    offered.add(id(procs[r]))
                     joiner = replace(r, c)
                     if joiner is not None:
                         procs[r], codes[r] = joiner, None  # (the caller's list: it sees the replacement)

@@ -93,8 +93,9 @@ def run_script(
     try:
         with Testbed(layout, mode=mode, mtu=mtu) as tb, contextlib.ExitStack() as stack:
             print(f"lowband run: {tb.label()}", file=sys.stderr, flush=True)
-            if keep_going:
-                tb.store_env = stack.enter_context(launcher_store(tb))
+            hosted = stack.enter_context(launcher_store(tb)) if keep_going else None
+            if hosted is not None:
+                tb.store_env = hosted.env
             before = tb.link_bytes()
             run_id = f"lowband-run-{os.getpid()}-{int(time.time())}"
             attempt, started = 0, time.monotonic()
@@ -108,6 +109,8 @@ def run_script(
                 timed_out, stopped, killed, ended_at = "", list[int](), list[int](), dict[int, float]()
 
                 def replace(r: int, code: int, rank_env: dict[str, str] = rank_env) -> Any:
+                    if hosted is not None:  # the survivors waiting on it learn it now (lowband.comm.deaths)
+                        hosted.record_death(run_id, r, code)
                     if len(replaced) >= replacements:
                         return None
                     replaced.append((r, code))
@@ -122,7 +125,7 @@ def run_script(
                     left = limit - (time.monotonic() - started)
                     codes = wait_procs(
                         procs, left, grace=grace, stopped=stopped, killed=killed, ended_at=ended_at,
-                        keep_going=keep_going, replace=replace if replacements else None,
+                        keep_going=keep_going, replace=replace if keep_going else None,
                     )  # fmt: skip
                 except CommTimeoutError as exc:
                     timed_out = str(exc).replace("lowband.testbed.wait: ", "--time-limit: ")

@@ -9,7 +9,8 @@ of its own inside the testbed's bridge namespace, on the bridge's address ``SUBN
 machine reaches it over its own link and no rank's link carries the others' store traffic.
 
 ``python -m lowband.testbed.store_host ADDR`` is that process: it prints the port it listens on, then
-serves until its standard input closes (the launcher ended, whatever the way).
+serves until its standard input closes (the launcher ended, whatever the way); each line it reads
+there is a death the launcher saw, written to the store (:mod:`lowband.comm.deaths`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from lowband.comm.deaths import record_death
 from lowband.errors import LowbandError
 from lowband.testbed.leftovers import run_cmd
 from lowband.testbed.namespaces import BRIDGE
@@ -40,15 +42,35 @@ def agent_env(addr: str, port: int) -> dict[str, str]:
     return {"MASTER_ADDR": addr, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
 
 
+class HostedStore:
+    """The launcher's hold on the store it hosts: the ranks' environment, and the deaths it records
+    (:mod:`lowband.comm.deaths`)."""
+
+    def __init__(self, env: dict[str, str], store: Any = None, proc: subprocess.Popen[bytes] | None = None):
+        self.env, self._store, self._proc, self._deaths = env, store, proc, 0
+
+    def record_death(self, run: str, rank: int, status: int) -> None:
+        """Best effort: a store host already gone is ignored (the survivors still have the heartbeat)."""
+        self._deaths += 1
+        try:
+            if self._store is not None:
+                record_death(self._store, run, self._deaths, rank, status)
+            elif self._proc is not None and self._proc.stdin is not None:
+                self._proc.stdin.write(f"death {run} {self._deaths} {rank} {status}\n".encode())
+                self._proc.stdin.flush()
+        except (OSError, RuntimeError):
+            pass
+
+
 @contextlib.contextmanager
-def launcher_store(tb: Testbed) -> Iterator[dict[str, str]]:
-    """Host a store for ``tb``'s ranks while the block runs; yields :func:`agent_env` for them."""
+def launcher_store(tb: Testbed) -> Iterator[HostedStore]:
+    """Host a store for ``tb``'s ranks while the block runs."""
     if not tb.shaped:
         from lowband.launcher import loopback_store
 
         store, port = loopback_store()
         try:
-            yield agent_env("127.0.0.1", port)
+            yield HostedStore(agent_env("127.0.0.1", port), store=store)
         finally:
             del store
         return
@@ -60,7 +82,7 @@ def launcher_store(tb: Testbed) -> Iterator[dict[str, str]]:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
     try:
-        yield agent_env(addr, _read_port(proc, addr))
+        yield HostedStore(agent_env(addr, _read_port(proc, addr)), proc=proc)
     finally:
         assert proc.stdin is not None
         proc.stdin.close()
@@ -98,7 +120,9 @@ def main(argv: list[str]) -> int:
         multi_tenant=True,
     )  # fmt: skip
     print(store.port, flush=True)
-    sys.stdin.buffer.read()  # until the launcher closes it (or dies)
+    for line in sys.stdin.buffer:  # until the launcher closes it (or dies): the deaths it saw
+        _, run, n, rank, status = line.decode().split()
+        record_death(store, run, int(n), int(rank), int(status))
     return 0
 
 
