@@ -196,23 +196,24 @@ def _plot(results: dict[str, Any], path: Path) -> None:
     for spec, res in results["strategies"].items():
         for k in res["kills"]:
             rec = [s["recovered_s"] for s in k["survivors"].values()]
-            labels.append(f"{spec.split(':')[0]}\nrank {k['killed_rank']}@{k['killed_at_step']}")
+            joined = " + replacement" if k.get("replacement") else ""
+            labels.append(f"{spec.split(':')[0]}: rank {k['killed_rank']} at {k['killed_at_step']}{joined}")
             rec_lo.append(min(rec))
             rec_hi.append(max(rec))
             ratios.append(100 * (k["loss_ratio"] - 1))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 5))
     x = range(len(labels))
     a.bar(x, rec_hi, color="tab:blue", alpha=0.4, label="slowest survivor")
     a.bar(x, rec_lo, color="tab:blue", label="fastest survivor")
     a.axhline(10, color="tab:red", ls="--", label="target 10 s")
-    a.set_xticks(list(x), labels, fontsize=8)
+    a.set_xticks(list(x), labels, fontsize=8, rotation=35, ha="right")
     a.set_ylabel("death -> redone exchange completed (s)")
     a.set_title("recovery of the survivors")
     a.legend(fontsize=8)
     b.bar(x, ratios, color="tab:green")
     b.axhline(2, color="tab:red", ls="--", label="target: at most +2 %")
     b.axhline(0, color="black", lw=0.8)
-    b.set_xticks(list(x), labels, fontsize=8)
+    b.set_xticks(list(x), labels, fontsize=8, rotation=35, ha="right")
     b.set_ylabel("held-out loss vs undisturbed, same samples (%)")
     b.set_title("final held-out loss")
     b.legend(fontsize=8)
