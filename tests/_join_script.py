@@ -1,7 +1,8 @@
 """A user's script for ``lowband run --keep-going --replacements 1`` (tests/test_peer_join.py): local
 SGD (or ``STRATEGY=diloco``) with ``on_peer_loss=continue`` on a linear model; rank ``DIE`` kills itself at step 6 of the first
 incarnation; its replacement (``LOWBAND_JOIN=1``) goes on from the step it was admitted at
-(``strategy.steps``). ``JOIN_PERIOD`` gives the replacement another period (a refused join). Every rank
+(``strategy.steps``). ``JOIN_PERIOD`` gives the replacement another period, ``JOIN_OUT`` another model
+(refused joins); ``STEPS`` the steps of the run. Every rank
 that ends writes ``OUT/rankR.json``: its parameters, its peer-loss events, the step it started at."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ lowband.init()
 r = lowband.rank()
 joining = os.environ.get("LOWBAND_JOIN") == "1"
 torch.manual_seed(0)
-m = torch.nn.Linear(8, 1)
+m = torch.nn.Linear(8, int(os.environ.get("JOIN_OUT", "1")) if joining else 1)
 period = int(os.environ.get("JOIN_PERIOD", "4")) if joining else 4
 name = os.environ.get("STRATEGY", "localsgd")
 opts: dict[str, Any] = {"on_peer_loss": "continue", "peer_settle": 0.5}
@@ -31,7 +32,7 @@ opts.update({"period": period} if name == "localsgd" else {"inner_steps": period
 s = make_strategy(name, m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), **opts)
 start = s.steps  # 0, or where a replacement was admitted
 # the last step averages: torch's averager after steps 1, 5, 9, ..., 101; diloco after 4, 8, ..., 100
-for step in range(start, 101 if name == "localsgd" else 100):
+for step in range(start, int(os.environ.get("STEPS", "101" if name == "localsgd" else "100"))):
     if r == int(os.environ.get("DIE", "-1")) and step == 6 and not joining:
         os.kill(os.getpid(), signal.SIGKILL)
     g = torch.Generator().manual_seed(1000 * r + step)
