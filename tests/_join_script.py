@@ -2,7 +2,7 @@
 SGD (or ``STRATEGY=diloco``) with ``on_peer_loss=continue`` on a linear model; rank ``DIE`` kills itself at step 6 of the first
 incarnation; its replacement (``LOWBAND_JOIN=1``) goes on from the step it was admitted at
 (``strategy.steps``). ``JOIN_PERIOD`` gives the replacement another period, ``JOIN_OUT`` another model
-(refused joins); ``STEPS`` the steps of the run. Every rank
+(refused joins); ``STEPS`` the steps of the run; ``CKPT`` a folder for the checkpoint loop. Every rank
 that ends writes ``OUT/rankR.json``: its parameters, its peer-loss events, the step it started at."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import lowband
+from lowband.checkpoint import Checkpointer
 from lowband.strategies import make_strategy
 
 folder = sys.argv[1]
@@ -31,6 +32,10 @@ opts: dict[str, Any] = {"on_peer_loss": "continue", "peer_settle": 0.5}
 opts.update({"period": period} if name == "localsgd" else {"inner_steps": period})
 s = make_strategy(name, m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), **opts)
 start = s.steps  # 0, or where a replacement was admitted
+ckpt = Checkpointer(os.environ["CKPT"], every=8) if os.environ.get("CKPT") else None
+if ckpt is not None:  # the documented loop: a replacement's resume returns where it was admitted
+    start = ckpt.resume(s)
+    assert start == s.steps, (start, s.steps)
 # the last step averages: torch's averager after steps 1, 5, 9, ..., 101; diloco after 4, 8, ..., 100
 for step in range(start, int(os.environ.get("STEPS", "101" if name == "localsgd" else "100"))):
     if r == int(os.environ.get("DIE", "-1")) and step == 6 and not joining:
@@ -43,6 +48,8 @@ for step in range(start, int(os.environ.get("STEPS", "101" if name == "localsgd"
         return out
 
     s.train_step(loss)
+    if ckpt is not None:
+        ckpt.maybe_save(s, step + 1)
     time.sleep(0.1)  # the replacement needs a few seconds to start: the others train meanwhile
 s.synchronize()
 with open(os.path.join(folder, f"rank{r}.json"), "w") as f:

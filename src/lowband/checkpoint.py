@@ -158,6 +158,7 @@ class Checkpointer:
         self.folder, self.every, self.keep, self.sigterm = Path(folder), every, keep, sigterm
         self.stop_requested = False
         self.saved: list[int] = []
+        self._warned: tuple[int, ...] | None = None  # the membership _reduced warned about
         if sigterm and threading.current_thread() is threading.main_thread():
             previous = signal.getsignal(signal.SIGTERM)
 
@@ -175,11 +176,46 @@ class Checkpointer:
     def maybe_save(self, strategy: Strategy, step: int) -> Path | None:
         """Collective, after ``step`` complete steps: saves when ``step`` is a multiple of ``every``, or
         when any rank was sent SIGTERM (then every rank exits with status 143 after the save)."""
-        stop = self._agree_stop(strategy) if self.sigterm else False
+        stop = False
+        if (
+            self.sigterm
+        ):  # (a lost rank met here is noticed, under on_peer_loss=continue, and this rank's own)
+            stop = strategy.side_collective(
+                lambda: self._agree_stop(strategy),
+                "Checkpointer's stop agreement",
+                lambda: self.stop_requested,
+            )
+        due = stop or step % self.every == 0
+        if due and self._reduced(strategy, step):
+            due = False
         if stop:
-            self.save(strategy, step)
+            if due:
+                self.save(strategy, step)
             raise SystemExit(128 + signal.SIGTERM)
-        return self.save(strategy, step) if step % self.every == 0 else None
+        return self.save(strategy, step) if due else None
+
+    def _reduced(self, strategy: Strategy, step: int) -> bool:
+        """Whether the strategy trains on fewer ranks than the world, or has noticed a lost rank whose
+        membership is not agreed yet (``on_peer_loss=continue``): a set would name ranks that are gone,
+        so it is skipped, with a warning once per membership, until a replacement (``lowband run
+        --replacements``) makes the membership whole."""
+        g, size = strategy.group, current("Checkpointer.maybe_save").size
+        if g.size == size and strategy.membership_settled():
+            return False
+        if self._warned != g.ranks:
+            self._warned = g.ranks
+            warnings.warn(
+                f"Checkpointer.maybe_save on rank {g.world_rank}: not saving at step {step} or later: "
+                + (
+                    f"the strategy trains on ranks {list(g.ranks)} of the world's {size}"
+                    if g.size < size
+                    else "a lost rank was noticed and the membership is not agreed yet"
+                )
+                + "; checkpoints of a reduced membership are not supported yet, and saving resumes once a "
+                "replacement has joined",
+                stacklevel=3,
+            )
+        return True
 
     def _agree_stop(self, strategy: Strategy) -> bool:
         from lowband.comm.control import control_allreduce
@@ -236,10 +272,15 @@ class Checkpointer:
 
     # -- resuming -----------------------------------------------------------------------------------
     def resume(self, strategy: Strategy) -> int:
-        """Collective: loads the newest complete set every rank sees and returns its step (0 if none)."""
+        """Collective: loads the newest complete set every rank sees and returns its step (0 if none).
+        On a replacement of a lost rank (``LOWBAND_JOIN=1``) it loads nothing and returns
+        ``strategy.steps``: the strategy took a live member's state when it was admitted, and the
+        members, past their own resume, do not meet it here."""
         from lowband.strategies.digest import exchange_text
 
         ctx = current("Checkpointer.resume")
+        if ctx.joining:
+            return strategy.steps
         g = strategy.group
         mine = complete_sets(self.folder)
         seen = (

@@ -62,7 +62,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from torch import nn
@@ -81,6 +81,9 @@ if TYPE_CHECKING:
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[nn.Module], torch.Tensor]
+
+
+T = TypeVar("T")
 
 
 class Strategy(GradientPolicies):
@@ -253,6 +256,16 @@ class Strategy(GradientPolicies):
         """After a step: the ids each embedding table (by module name) will be called on in the next
         step, for strategies that issue lookups ahead (``embrace:schedule=horizontal|2d``); ignored by
         default. Call it on every rank alike."""
+
+    def side_collective(self, fn: Callable[[], T], what: str, alone: Callable[[], T]) -> T:
+        """``fn()``, a collective on :attr:`group` outside the strategy's own steps (the checkpoint loop's
+        stop agreement); strategies that train on without a lost rank return ``alone()`` instead while
+        a loss is pending (:mod:`lowband.strategies.peer_loss`)."""
+        return fn()
+
+    def membership_settled(self) -> bool:
+        """False while a lost rank is noticed and its membership not yet agreed (on_peer_loss)."""
+        return True
 
     def in_sync(self) -> bool:
         """True when, by construction, every rank holds the same replicated parameters after the last

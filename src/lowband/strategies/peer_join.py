@@ -10,7 +10,7 @@
 - *The members*, at each exchange while a world rank is missing: before the averaging,
   :func:`propose` reads the requests of the missing ranks, refuses those whose configuration (options,
   model layout, tied parameters) differs from theirs, naming the fields, and proposes the others for this
-  exchange (one ``compare_set``: the first proposal stays); after the exchange's step, :func:`admit`
+  exchange (one ``compare_set``: the first proposal stays); when the next step begins, :func:`admit`
   reads the proposal and, if there is one, admits: a new group over members and replacements, the lowest member
   (the donor) sends its state to each replacement, and every rank checks that each replacement received
   the bytes the donor sent (SHA-256, exchanged by all: one error on every rank otherwise).
@@ -85,8 +85,8 @@ def propose(s: PeerLoss, exchange: int) -> None:
 
 
 def admit(s: PeerLoss, exchange: int) -> None:
-    """Members, after the step of exchange ``exchange`` (the state is the whole step's): admit the
-    replacements proposed for it."""
+    """Members, when the step after exchange ``exchange``'s begins (the state is the whole last step's,
+    and the user's loop did what it does after a step): admit the replacements proposed for it."""
     if not _absent(s):
         return
     where = _where(s)

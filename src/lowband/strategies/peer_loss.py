@@ -119,7 +119,7 @@ class PeerLoss(Heartbeating):
     offer them. A strategy calls :meth:`init_peer_loss` after ``Strategy.__init__``, runs its exchange's
     averaging through :meth:`survive` (or, where it never survives a loss, through :meth:`collective`)."""
 
-    #: the exchange of this step, whose proposed replacements are admitted after the step
+    #: the exchange of the last step, whose proposed replacements are admitted when the next step begins
     _admit_at: int | None = None
 
     def init_peer_loss(
@@ -180,6 +180,21 @@ class PeerLoss(Heartbeating):
         if said:
             raise CommFailedError(f"{where}: {said}")
 
+    def side_collective(self, fn: Callable[[], T], what: str, alone: Callable[[], T]) -> T:
+        if self.peer_loss != "continue":
+            return fn()
+        if self._lost is not None:  # the group is broken: its agreement comes at the next exchange
+            return alone()
+        began = time.monotonic()
+        try:
+            return fn()
+        except LOST as exc:
+            self.notice(exc, what, began)
+            return alone()
+
+    def membership_settled(self) -> bool:
+        return self._lost is None
+
     def check_nonfinite(self) -> bool:
         return self.guarded(super().check_nonfinite, "the non-finite agreement")
 
@@ -233,15 +248,18 @@ class PeerLoss(Heartbeating):
         def exchange_and_propose() -> None:
             peer_join.propose(self, exchange)  # (before the averaging: module docstring there)
             self._survive(exchange, average)
-            self._admit_at = exchange  # read once the step is whole (after_step)
+            self._admit_at = exchange  # read when the next step begins (begin_step)
 
         self.collective(exchange_and_propose)
 
-    def after_step(self) -> None:
-        super().after_step()
-        if self._admit_at is not None:  # replacements proposed at this step's exchange join now
+    def begin_step(self) -> None:
+        # replacements proposed at the last step's exchange join now, where the replacement's own loop
+        # begins its first step: whatever the user's loop does after a step (a checkpoint's agreement)
+        # the members have done for that step, and the replacement goes on from the next one
+        if self._admit_at is not None:
             exchange, self._admit_at = self._admit_at, None
             self.collective(lambda: peer_join.admit(self, exchange))
+        super().begin_step()
 
     def regroup(self, group: Group) -> None:
         """Rebuild what holds the strategy's group (its averager, its exchange) on ``group``."""

@@ -95,6 +95,7 @@ def wait_procs(
     deadline = time.monotonic() + timeout
     kill_at: float | None = None
     offered: set[int] = set()  # the failed processes ``replace`` was called for (once each)
+    joiners: set[int] = set()  # the indices whose process is a replacement
     while True:
         codes = [p.poll() for p in procs]
         if keep_going and replace is not None:
@@ -104,6 +105,7 @@ def wait_procs(
                     joiner = replace(r, c)
                     if joiner is not None:
                         procs[r], codes[r] = joiner, None  # (the caller's list: it sees the replacement)
+                        joiners.add(r)
                         if ended_at is not None:
                             ended_at.pop(r, None)
         if ended_at is not None:
@@ -119,8 +121,9 @@ def wait_procs(
             return [int(c) for c in codes if c is not None]
         now = time.monotonic()
         if keep_going:
-            if kill_at is None and any(c == 0 for c in codes):
-                kill_at = now + grace
+            others = [c for r, c in enumerate(codes) if r not in joiners]
+            if kill_at is None and (any(c == 0 for c in codes) or (joiners and None not in others)):
+                kill_at = now + grace  # the survivors end together; or nobody is left for a replacement
             if len(running) < len(procs) and all(proc_state(procs[r].pid) == "T" for r in running):
                 for r in running:
                     if stopped is not None:
