@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--kills", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--run-timeout", type=float, default=1800.0)
+    ap.add_argument("--keep-files", action="store_true", help="keep the checkpoint sets and final parameters")
     ns = ap.parse_args()
     killed_s = _run(ns.out / "killed", ns, ns.kills)
     whole_s = _run(ns.out / "undisturbed", ns, 0)
@@ -130,6 +132,11 @@ def main() -> None:
         "all_resumed_s": {"min": rec[0], "median": rec[len(rec) // 2], "max": rec[-1]} if rec else None,
         "run_s": {"killed": killed_s, "undisturbed": whole_s},
     }
+    if not ns.keep_files:  # the checkpoints and final parameters (~130 MB) were only needed for the checks
+        for run in ("killed", "undisturbed"):
+            shutil.rmtree(ns.out / run / "ckpt", ignore_errors=True)
+            for pt in (ns.out / run).glob("final-rank*.pt"):
+                pt.unlink()
     (ns.out / "results.json").write_text(json.dumps(result, indent=1))
     lines = [
         f"kills: {len(kills)} ({where['backward']} in a backward, {where['rank-file']} inside a rank's checkpoint "

@@ -199,15 +199,9 @@ class PeerLoss(Heartbeating):
         return self.guarded(super().check_nonfinite, "the non-finite agreement")
 
     def guarded(self, fn: Callable[[], T], what: str) -> T:
-        """``fn()``; under ``continue`` a lost peer met there is noticed and ``fn`` run again alone."""
-        if self.peer_loss != "continue" or self._lost is not None:
-            return fn()
-        began = time.monotonic()
-        try:
-            return fn()
-        except LOST as exc:
-            self.notice(exc, what, began)
-            return fn()
+        """``fn()``; under ``continue`` a lost peer met there is noticed and ``fn`` run again alone (the
+        non-finite guard is this rank's alone once a loss is noticed)."""
+        return self.side_collective(fn, what, fn)
 
     def notice(
         self, exc: BaseException, what: str, began: float, silent: dict[int, float] | None = None
