@@ -25,7 +25,7 @@ def _run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedPro
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco", "flsgd-overlap"])
 def test_a_replacement_joins_and_trains_on(strategy: str, tmp_path: Path) -> None:
     args = ["-n", "3", "--keep-going", "--replacements", "1", str(SCRIPT), str(tmp_path)]
     out = _run(args, tmp_path, DIE="2", STRATEGY=strategy)

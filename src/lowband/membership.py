@@ -80,12 +80,14 @@ def decode(value: str) -> Decision:
     return Decision(tuple(int(r) for r, _ in pairs), tuple(int(e) for _, e in pairs))
 
 
-def adopt(decision: Decision, me: int, where: str) -> tuple[int, ...]:
+def adopt(decision: Decision, me: int, where: str, *, aligned: bool = True) -> tuple[int, ...]:
     """The members ``me`` trains on with; raises :class:`CommFailedError` (the same on every survivor
-    for a failure or differing exchanges) when it cannot."""
+    for a failure, or for differing exchanges when ``aligned``: a strategy that redoes one averaging
+    together) when it cannot. A strategy that averages at every step (``aligned=False``) lets members
+    that lost the peer at different steps catch up alone to the latest (:func:`catch_up`)."""
     if decision.failure:
         raise CommFailedError(f"{where}: {decision.failure}")
-    if len(set(decision.exchanges)) > 1:
+    if aligned and len(set(decision.exchanges)) > 1:
         at = ", ".join(
             f"rank {r} at exchange {e}" for r, e in zip(decision.members, decision.exchanges, strict=True)
         )
@@ -101,4 +103,13 @@ def adopt(decision: Decision, me: int, where: str) -> tuple[int, ...]:
     return decision.members
 
 
-__all__ = ["Decision", "adopt", "decode", "failure", "proposal", "quorum_size"]
+def catch_up(decision: Decision) -> int:
+    """The step every member of an adopted ``decision`` (``aligned=False``) trains alone to before they
+    meet on the new group: the latest announced. Why the latest: a member that announced at step s
+    completed s without the others (an averaging of s completed on some ranks only, or s had none), and
+    it cannot undo that step; the others can add steps alone, so every member meets the new group with the
+    same step count (the same schedule position, and the same number of steps left in the user's loop)."""
+    return max(decision.exchanges)
+
+
+__all__ = ["Decision", "adopt", "catch_up", "decode", "failure", "proposal", "quorum_size"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -184,6 +185,18 @@ class Handle(Generic[T]):
                         raise self._error from exc
         result: T = self._result
         return result
+
+    def drain(self, timeout: float) -> bool:
+        """Block until the op's works have ended, successfully or not, at most ``timeout`` seconds; never
+        raises; returns whether they ended. For a caller that gave up on the op (its wait failed, or it
+        stopped polling) and must know nothing writes into its buffers any more before it reuses them
+        (an op still in flight after a failed wait goes on under gloo)."""
+        end = time.monotonic() + timeout
+        while not (self._w.done or all(w.is_completed() for w in self._works)):
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.001)
+        return True
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until the op is complete (at most ``timeout`` seconds, default the runtime's timeout)

@@ -39,9 +39,11 @@ def agree(
     settle: float,
     timeout: float,
     where: str,
-) -> tuple[int, ...]:
-    """The members (world ranks, ascending) every survivor of ``last`` continues with; raises
-    :class:`CommFailedError` naming the cause on every survivor when there is no such list."""
+    aligned: bool = True,
+) -> membership.Decision:
+    """The decision every survivor of ``last`` adopts: the members (world ranks, ascending) it continues
+    with and the exchange each announced; raises :class:`CommFailedError` naming the cause on every
+    survivor when there is no such list (:func:`lowband.membership.adopt`, ``aligned`` there)."""
     quorum = membership.quorum_size(last, min_ranks)
     decision_key = f"{prefix}/decision"
     try:
@@ -68,7 +70,9 @@ def agree(
         raise CommFailedError(
             f"{where}: the rendezvous store failed during the membership agreement: {exc}"
         ) from exc
-    return membership.adopt(membership.decode(got), me, where)
+    decision = membership.decode(got)
+    membership.adopt(decision, me, where, aligned=aligned)
+    return decision
 
 
 __all__ = ["agree"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -33,7 +34,14 @@ from lowband.localsgd.profiler import profile_model, refit_comm
 from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
 from lowband.localsgd.trials import MISMATCH, MODEL_ERROR, ScheduleTrial, contender_pair, decide
-from lowband.localsgd.units import UnitSpec, candidate_splits, layer_geometry, plan_units, unit_profile
+from lowband.localsgd.units import (
+    UnitSpec,
+    candidate_splits,
+    layer_geometry,
+    plan_units,
+    specs_from_checkpoint,
+    unit_profile,
+)
 from lowband.optim.layerwise import LayerwiseOptimizer
 from lowband.strategies.base import LossFn, Strategy
 
@@ -67,6 +75,7 @@ class ScheduledStrategy(Strategy):
     _last_step_end: float | None
     #: the links were re-measured after a trial whose winner's measured period left the prediction's band
     _refitted: bool = False
+    divergence_log: list[tuple[int, float]]
 
     def _planner(self, profile: CostProfile) -> Callable[[int], list[UnitSpec]]:
         """Checks that ``profile`` holds the model's layers; returns ``max_bytes -> units``."""
@@ -235,3 +244,60 @@ class ScheduledStrategy(Strategy):
             self._reschedule(refit_comm(self.profile, self.group), measure=True)
             self.reschedules += 1
             self._baseline = None
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        a = self.averager
+        return {
+            "profile": None if self.profile is None else self.profile.to_json(),
+            "schedule": None if self.schedule is None else self.schedule.to_json(),
+            "order": [u.name for u in a.specs],
+            "units": [[u.name, u.layer, u.start, u.stop, u.nbytes] for u in a.specs],
+            "split_bytes": self.split_bytes,
+            "launch_counts": list(a.launch_counts),
+            "last_sync": list(a.last_sync),
+            "max_gap": list(a.max_gap),
+            "reschedules": self.reschedules,
+            "baseline": self._baseline,
+            "divergence_log": list(self.divergence_log),
+            "candidates": [[c, s.to_json()] for c, s in self._candidates],
+            "trial": None if self._trial is None else self._trial.to_json(),
+            "trial_log": list(self.trial_log),
+            "refitted": self._refitted,
+        }
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        where = f"{self._where}.load_state_dict"
+        if "schedule" not in state or "order" not in state:
+            raise InvalidArgumentError(f"{where}: checkpoint has no partial-synchronisation state")
+        specs = specs_from_checkpoint(where, state, self.averager.layers)
+        if state["profile"] is not None:
+            prof = CostProfile.from_json(state["profile"])
+            self._planner(prof)  # checks the profile's layers
+            self.profile = prof
+            self.unit_profile = unit_profile(prof, specs)
+        self.split_bytes = int(state.get("split_bytes", 0))
+        self.synchronize()
+        self.averager.set_units(specs)
+        if state["schedule"] is not None:
+            sched = Schedule.from_json(state["schedule"])
+            sched.validate(len(specs))
+            self.schedule, self.period = sched, sched.period
+        a = self.averager
+        n = len(specs)
+        for key in ("launch_counts", "last_sync", "max_gap"):
+            vals = [int(x) for x in state.get(key, getattr(a, key))]
+            if len(vals) != n:
+                raise InvalidArgumentError(f"{where}: {key} has {len(vals)} entries, the schedule {n} units")
+            setattr(a, key, vals)
+        self.reschedules = int(state.get("reschedules", 0))
+        self._baseline = state.get("baseline")
+        self.divergence_log = [(int(s), float(g)) for s, g in state.get("divergence_log", [])]
+        self._candidates = [(int(c), Schedule.from_json(d)) for c, d in state.get("candidates", [])]
+        self.candidates_predicted = [(c, s.predicted_period) for c, s in self._candidates]
+        trial = state.get("trial")
+        self._trial = None if trial is None or not self._candidates else ScheduleTrial.from_json(trial)
+        self.trial_log = list(state.get("trial_log", []))
+        self._refitted = bool(state.get("refitted", False))
+        self._last_step_end = None
+        self._agree("the restored schedule", [self._schedulecrc(), self.period])

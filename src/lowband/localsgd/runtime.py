@@ -23,6 +23,12 @@ rest of backward, and make sure every later reader waits for it.
   time from ``max(launch, previous completion)`` to completion (averagings queue on one link). The
   averaged values are then written back on torch's callback thread, which is safe: nothing reads the
   layer before waiting for it.
+- Surviving a lost peer (``on_peer_loss=continue``, :attr:`LayerAverager.survival`): before each
+  averaging the unit's values are copied aside (a transient copy per unit in flight: at most the units of
+  one step); its wait polls (beating, and watching whether another member noticed a loss), and a failed
+  one notices the loss, waits until the op has ended (the group is broken by then, so it ends at once) and
+  puts the unit back as it was before the averaging (an in-place allreduce that failed half way leaves
+  partial sums). Nothing raises into the forward or the step that waited.
 - Precision: the averaged "copies" are the parameters themselves, averaged in place in their own dtype
   and on their own device; under bf16/fp16 autocast the parameters stay float32, so averaging is float32
   (no lower-precision copy exists). fp16 loss scaling is refused by these strategies: they step each
@@ -34,6 +40,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +48,7 @@ from torch import nn
 
 from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle
+from lowband.errors import CommFailedError, CommTimeoutError
 from lowband.group import Group
 from lowband.localsgd.units import UnitSpec, unit_tensors
 from lowband.optim.pending import PendingWork, forward_pre_hooks
@@ -48,6 +56,39 @@ from lowband.optim.pending import PendingWork, forward_pre_hooks
 
 def _nbytes(ps: Sequence[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in ps)
+
+
+@dataclass(frozen=True)
+class Survival:
+    """How a :class:`LayerAverager` survives a lost peer (module docstring): ``wait(handle)`` waits for an
+    averaging (polling); ``lost(error, unit, launched)`` is told of a failed one (the strategy notices
+    the loss and breaks the group); ``drain_s`` bounds the wait for the failed op to end."""
+
+    wait: Callable[[Handle[Any]], Any]
+    lost: Callable[[BaseException, int, float], None]
+    drain_s: float
+
+
+class _Guarded:
+    """A unit's averaging in flight under :class:`Survival`: waiting it never raises a lost peer."""
+
+    def __init__(
+        self, handle: Handle[Any], unit: int, tensors: list[torch.Tensor], saved: list[torch.Tensor],
+        survival: Survival,
+    ) -> None:  # fmt: skip
+        self.handle, self.unit, self.tensors, self.saved = handle, unit, tensors, saved
+        self.survival = survival
+        self.launched = time.monotonic()
+
+    def wait(self) -> None:
+        try:
+            self.survival.wait(self.handle)
+        except (CommFailedError, CommTimeoutError) as exc:
+            self.survival.lost(exc, self.unit, self.launched)
+            self.handle.drain(self.survival.drain_s)
+            with torch.no_grad():
+                for t, old in zip(self.tensors, self.saved, strict=True):
+                    t.copy_(old)
 
 
 class LayerAverager:
@@ -63,6 +104,8 @@ class LayerAverager:
         self.group = group
         self._layer_index = {name: i for i, (name, _) in enumerate(self.layers)}
         self.timing = False
+        #: under on_peer_loss=continue: how failed averagings are survived (None: they raise)
+        self.survival: Survival | None = None
         self._pending: PendingWork[Any] = PendingWork()
         self._order: list[int] = []
         self._cursor = 0
@@ -149,6 +192,8 @@ class LayerAverager:
 
     def _launch(self, u: int) -> None:
         self.wait_unit(u)  # never two averagings of one unit in flight
+        survival = self.survival
+        saved = [t.detach().clone() for t in self.units[u]] if survival is not None else []
         h: Handle[Any] = igrouped_allreduce(
             self.units[u], inplace=True, name=f"partial-sync:{self.specs[u].name}", group=self.group
         )
@@ -163,7 +208,10 @@ class LayerAverager:
 
             self._log.append(entry)
             h = h.then(record)
-        self._pending.add(u, h)
+        if survival is None:
+            self._pending.add(u, h)
+        else:
+            self._pending.add(u, _Guarded(h, u, self.units[u], saved, survival))
 
     # -- waiting ----------------------------------------------------------------------------------
     def pending(self) -> int:

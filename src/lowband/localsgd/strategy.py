@@ -42,6 +42,12 @@ then averaged in place across ranks, overlapped with the backward of earlier lay
   ``profile=PATH`` they schedule from the same saved profile; a checkpoint holds the profile, the units
   and the schedule, so a resumed run keeps them. ``reprofile_drift > 0`` re-schedules on measured
   timings and so is not repeatable.
+- ``on_peer_loss="continue"``: the survivors of a lost rank train on without it
+  (:mod:`lowband.strategies.peer_steps`: a failed averaging puts its unit back, the survivors agree on
+  the members after the step, catch up alone to the latest member's step count and meet on a new group;
+  the heartbeat, 10 s by default there, finds a stopped peer between steps); replacements join at the
+  first averaging step of a period (:mod:`lowband.strategies.peer_join`). A trial of candidate splits in
+  progress is ended at a membership change (every member keeps the predicted best).
 - Buffers (BatchNorm statistics) are not averaged; the initial parameters and buffers are rank 0's
   (broadcast at construction; ``make_strategy(..., broadcast_init=False)`` keeps each rank's), as
   Algorithm 1 starts from one ``w_0``.
@@ -64,17 +70,16 @@ from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.divergence import model_divergence
 from lowband.localsgd.profiler import resolve_profile, save_profile_atomic
 from lowband.localsgd.rescheduling import ScheduledStrategy
-from lowband.localsgd.runtime import LayerAverager
+from lowband.localsgd.runtime import LayerAverager, Survival
 from lowband.localsgd.schedule import Schedule
 from lowband.localsgd.schedulers import scheduler_names
-from lowband.localsgd.trials import DEFAULT_TRIAL_PERIODS, ScheduleTrial
-from lowband.localsgd.units import (
-    specs_from_checkpoint,
-    unit_profile,
-)
+from lowband.localsgd.trials import DEFAULT_TRIAL_PERIODS
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
 from lowband.options import Opt, Options, Rule
+from lowband.runtime import current
 from lowband.strategies.base import LossFn, OptimizerFactory
+from lowband.strategies.peer_loss import PEER_LOSS_OPTIONS
+from lowband.strategies.peer_steps import StepwisePeerLoss
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.replay import ForwardReplay
 
@@ -109,7 +114,7 @@ PARTIAL_SYNC_OPTIONS = Options(
             lambda o: o["schedule"] is None or o["period"] is None or o["schedule"].period == o["period"],
         ),
     ],
-)  # fmt: skip
+) | PEER_LOSS_OPTIONS  # fmt: skip
 
 
 @register_strategy(
@@ -117,7 +122,7 @@ PARTIAL_SYNC_OPTIONS = Options(
     "DreamDDP: partial-sync local SGD, layers averaged in place during backward, bubble filling",
     PARTIAL_SYNC_OPTIONS,
 )
-class PartialSyncStrategy(ScheduledStrategy):
+class PartialSyncStrategy(ScheduledStrategy, StepwisePeerLoss):
     name = "dreamddp"
     steps_in_backward = True
     local_steps = True  # applies only without gradient stages (NonFiniteGuard.deferred)
@@ -140,6 +145,10 @@ class PartialSyncStrategy(ScheduledStrategy):
         split: int | str | None = None,
         scheduler: str | None = None,
         trial_periods: int = DEFAULT_TRIAL_PERIODS,
+        on_peer_loss: str = "raise",
+        min_ranks: int | None = None,
+        peer_settle: float = 1.0,
+        heartbeat: float | None = None,
     ) -> None:
         where = f"{type(self).__name__} on rank {group.world_rank}"
         self._where = where
@@ -187,6 +196,11 @@ class PartialSyncStrategy(ScheduledStrategy):
         lw = LayerwiseOptimizer(layers, make_optimizer, on_layer=self.averager.on_layer)
         lw.refuse_restep = True  # every iteration ends with step(): a second backward before it is an error
         super().__init__(model, lw, group)
+        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle, heartbeat)
+        if on_peer_loss == "continue":
+            self.averager.survival = Survival(
+                self.wait_beating, self._averaging_lost, current(where).config.timeout
+            )
         self.averager.attach(model, lw.optimizers)
         # without a schedule, the first training forward (train_step's or the user's loop's) profiles first
         self._profiling = False
@@ -228,7 +242,11 @@ class PartialSyncStrategy(ScheduledStrategy):
         if not self.syncing:  # an accumulating pass (accumulate=J): no layer stepped, nothing averaged
             loss.backward()  # type: ignore[no-untyped-call]
             return
-        self.averager.begin(self.steps, self.schedule.layers_at(self.steps))
+        units = self.schedule.layers_at(self.steps)
+        if units and self.steps % self.period == self._join_phase():
+            self.propose_joins(self.steps // self.period)  # (an exchange: peer_steps)
+        # noticed a lost peer: train alone until the members meet (peer_steps)
+        self.averager.begin(self.steps, units if self.membership_settled() else ())
         loss.backward()  # type: ignore[no-untyped-call]
         self.averager.flush()
 
@@ -251,11 +269,43 @@ class PartialSyncStrategy(ScheduledStrategy):
             save_profile_atomic(self.profile, self.profile_path)
 
     def after_step(self) -> None:
-        self._after_step()
+        self.side_collective(self._after_step, "the schedule's period boundary", lambda: None)
         if self.divergence_every and self.steps % self.divergence_every == 0:
             self.synchronize()
-            gamma = model_divergence([ps for _, ps in self.averager.layers], group=self.averager.group)
-            self.divergence_log.append((self.steps, gamma))
+            layers = [ps for _, ps in self.averager.layers]
+            gamma = self.side_collective(
+                lambda: model_divergence(layers, group=self.averager.group), "the divergence", lambda: None
+            )
+            if gamma is not None:
+                self.divergence_log.append((self.steps, gamma))
+        super().after_step()  # the heartbeat
+        self.recover()  # under on_peer_loss=continue, after a loss: the members agree and meet
+
+    # -- a lost peer (on_peer_loss="continue", lowband.strategies.peer_steps) ---------------------
+    def _averaging_lost(self, exc: BaseException, unit: int, launched: float) -> None:
+        self.notice(exc, f"the averaging of {self.averager.specs[unit].name!r}", launched)
+
+    def _join_phase(self) -> int:
+        """The step of each period at which replacements are proposed: its first that averages."""
+        assert self.schedule is not None
+        return next(h for h, units in enumerate(self.schedule.sets) if units)
+
+    def regroup(self, group: Group) -> None:
+        self.averager.group = group.unchecked()
+
+    def after_meeting(self) -> None:
+        # a trial of candidate splits may have advanced on some members only (a side collective that
+        # failed): every member keeps the predicted best, and the drift baseline starts again
+        if self._trial is not None and self.profile is not None:
+            self._trial = None
+            self._use_candidate(self.profile, 0)
+        self._baseline = None
+        self._last_step_end = None
+        self._agree(
+            "the schedule and the step count after a membership change",
+            [self._schedulecrc(), self.period, self.steps],
+            ("the schedule hash", "the period", "the step count"),
+        )
 
     def synchronize(self) -> None:
         """Wait for every in-flight averaging."""
@@ -309,7 +359,7 @@ class PartialSyncStrategy(ScheduledStrategy):
         }
         if self.divergence_log:
             out["divergence"] = self.divergence_log[-1][1]
-        return out
+        return {**super().report(), **out}
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
@@ -320,67 +370,12 @@ class PartialSyncStrategy(ScheduledStrategy):
         self.synchronize()
         super().load_state_dict(state)
 
-    def extra_state(self) -> dict[str, Any]:
-        a = self.averager
-        return {
-            "profile": None if self.profile is None else self.profile.to_json(),
-            "schedule": None if self.schedule is None else self.schedule.to_json(),
-            "order": [u.name for u in a.specs],
-            "units": [[u.name, u.layer, u.start, u.stop, u.nbytes] for u in a.specs],
-            "split_bytes": self.split_bytes,
-            "launch_counts": list(a.launch_counts),
-            "last_sync": list(a.last_sync),
-            "max_gap": list(a.max_gap),
-            "reschedules": self.reschedules,
-            "baseline": self._baseline,
-            "divergence_log": list(self.divergence_log),
-            "candidates": [[c, s.to_json()] for c, s in self._candidates],
-            "trial": None if self._trial is None else self._trial.to_json(),
-            "trial_log": list(self.trial_log),
-            "refitted": self._refitted,
-        }
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        where = f"{self._where}.load_state_dict"
-        if "schedule" not in state or "order" not in state:
-            raise InvalidArgumentError(f"{where}: checkpoint has no partial-synchronisation state")
-        specs = specs_from_checkpoint(where, state, self.averager.layers)
-        if state["profile"] is not None:
-            prof = CostProfile.from_json(state["profile"])
-            self._planner(prof)  # checks the profile's layers
-            self.profile = prof
-            self.unit_profile = unit_profile(prof, specs)
-        self.split_bytes = int(state.get("split_bytes", 0))
-        self.synchronize()
-        self.averager.set_units(specs)
-        if state["schedule"] is not None:
-            sched = Schedule.from_json(state["schedule"])
-            sched.validate(len(specs))
-            self.schedule, self.period = sched, sched.period
-        a = self.averager
-        n = len(specs)
-        for key in ("launch_counts", "last_sync", "max_gap"):
-            vals = [int(x) for x in state.get(key, getattr(a, key))]
-            if len(vals) != n:
-                raise InvalidArgumentError(f"{where}: {key} has {len(vals)} entries, the schedule {n} units")
-            setattr(a, key, vals)
-        self.reschedules = int(state.get("reschedules", 0))
-        self._baseline = state.get("baseline")
-        self.divergence_log = [(int(s), float(g)) for s, g in state.get("divergence_log", [])]
-        self._candidates = [(int(c), Schedule.from_json(d)) for c, d in state.get("candidates", [])]
-        self.candidates_predicted = [(c, s.predicted_period) for c, s in self._candidates]
-        trial = state.get("trial")
-        self._trial = None if trial is None or not self._candidates else ScheduleTrial.from_json(trial)
-        self.trial_log = list(state.get("trial_log", []))
-        self._refitted = bool(state.get("refitted", False))
-        self._last_step_end = None
-        self._agree("the restored schedule", [self._schedulecrc(), self.period])
-
     def close(self) -> None:
         self._replay.remove()
         self.averager.detach()
         assert isinstance(self.optimizer, LayerwiseOptimizer)
         self.optimizer.remove_hooks()
+        super().close()  # (marks this rank done for the heartbeat)
 
 
 @register_strategy(

@@ -89,6 +89,9 @@ def admit(s: PeerLoss, exchange: int) -> None:
     and the user's loop did what it does after a step): admit the replacements proposed for it."""
     if not _absent(s):
         return
+    # this rank's averagings of that exchange completed (they could not without every member's, each
+    # launched after its proposal), so every member has proposed: the proposal read now is final
+    s.synchronize()
     where = _where(s)
     ctx = current(where)
     store = rendezvous_store(ctx)
@@ -137,7 +140,7 @@ def join_if_replacement(strategy: Any, where: str) -> None:
         raise InvalidArgumentError(
             f"{where}: this process replaces a lost rank (LOWBAND_JOIN=1, lowband run --replacements) but "
             f"strategy {strategy.name!r} does not train on without lost ranks: give it on_peer_loss='continue' "
-            "(localsgd, diloco), or run without --replacements"
+            "(localsgd, diloco, dreamddp, plsgd-enp, flsgd-overlap), or run without --replacements"
         )
     join(strategy)
 

@@ -71,6 +71,7 @@ from lowband.comm.deaths import DeathNotices
 from lowband.comm.membership import agree
 from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError
 from lowband.group import Group
+from lowband.membership import Decision
 from lowband.optim.nonfinite import NonFiniteGuard
 from lowband.options import Opt, Options
 from lowband.runtime import current, open_group, rendezvous_store
@@ -283,6 +284,57 @@ class PeerLoss(Heartbeating):
         except (RuntimeError, TimeoutError) as exc:
             raise CommFailedError(f"{where}: the rendezvous store failed: {exc}") from exc
 
+    def _peer_where(self) -> str:
+        return f"strategy {self.name!r} (on_peer_loss='continue') on rank {self.group.world_rank}"
+
+    def agree_members(self, exchange: int, *, aligned: bool) -> tuple[Decision, float, float]:
+        """A new membership epoch's agreement (:mod:`lowband.comm.membership`), this rank announcing
+        ``exchange``; returns the decision and when the agreement began and ended (monotonic)."""
+        lost = self._lost
+        assert lost is not None
+        where = self._peer_where()
+        self._epochs += 1
+        t0 = time.monotonic()
+        decision = agree(
+            rendezvous_store(current(where)), f"{self._membership_key}/epoch{self._epochs}", self.group.ranks,
+            self.group.world_rank, exchange, min_ranks=self.min_ranks, settle=self.peer_settle,
+            timeout=current(where).config.timeout, aligned=aligned,
+            where=f"{where}: membership agreement {self._epochs} after {lost.what} failed ({lost.error})",
+        )  # fmt: skip
+        return decision, t0, time.monotonic()
+
+    def open_members(self, members: tuple[int, ...]) -> Group:
+        """The group of ``members`` for the current epoch (every member calls it; gloo waits for the
+        members' addresses in the store up to the timeout)."""
+        where = self._peer_where()
+        key = f"{self._membership_key}/epoch{self._epochs}"
+        try:
+            return open_group(current(where), members, f"{key}/group", f"{self.name}-members{self._epochs}")
+        except (RuntimeError, TimeoutError) as exc:  # a member died after the agreement
+            raise CommFailedError(
+                f"{where}: the group of ranks {list(members)} could not be made: {exc}"
+            ) from exc
+
+    def loss_event(self, old: Group, decision: Decision, exchange: int, agree_s: float) -> dict[str, Any]:
+        """The report's entry of a membership change after a loss (times filled in by the caller)."""
+        lost = self._lost
+        assert lost is not None
+        return {
+            "lost_ranks": sorted(set(old.ranks) - set(decision.members)),
+            "members": list(decision.members),
+            "step": self.steps + 1,
+            "exchange": exchange,
+            "noticed_at": lost.what,
+            "noticed_step": lost.step,
+            "error": lost.error,
+            "detect_s": round(lost.detect, 4),  # the failing op's time, or the silence measured
+            "silent_ranks": sorted(lost.silent),
+            "silent_s": round(max(lost.silent.values()), 4) if lost.silent else None,
+            "agree_s": round(agree_s, 4),
+            "rebuild_s": None,
+            "recover_s": None,
+        }
+
     def _survive(self, exchange: int, average: Callable[[], None]) -> None:
         alarms = 0  # agreements that found every member alive (a false alarm: the group is rebuilt once)
         while True:
@@ -298,17 +350,9 @@ class PeerLoss(Heartbeating):
             what, error = lost.what, lost.error
             resumed = time.monotonic()
             old = self.group
-            where = f"strategy {self.name!r} (on_peer_loss='continue') on rank {old.world_rank}"
-            self._epochs += 1
-            epoch = self._epochs
-            key = f"{self._membership_key}/epoch{epoch}"
-            t0 = time.monotonic()
-            members = agree(
-                rendezvous_store(current(where)), key, old.ranks, old.world_rank, exchange,
-                min_ranks=self.min_ranks, settle=self.peer_settle, timeout=current(where).config.timeout,
-                where=f"{where}: membership agreement {epoch} after {what} failed ({error})",
-            )  # fmt: skip
-            t1 = time.monotonic()
+            decision, t0, t1 = self.agree_members(exchange, aligned=True)
+            members = decision.members
+            where = self._peer_where()
             if members == old.ranks:
                 if alarms:
                     raise CommFailedError(f"{where}: {what} failed ({error}) but every member is alive")
@@ -317,28 +361,11 @@ class PeerLoss(Heartbeating):
                     "%s: %s failed (%s) but every member reached the agreement: a false alarm; the group is "
                     "rebuilt with all of them", where, what, error,
                 )  # fmt: skip
-            try:  # (bounded: gloo waits for the members' addresses in the store up to the timeout)
-                group = open_group(current(where), members, f"{key}/group", f"{self.name}-members{epoch}")
-            except (RuntimeError, TimeoutError) as exc:  # a member died after the agreement
-                raise CommFailedError(
-                    f"{where}: the group of ranks {list(members)} could not be made: {exc}"
-                ) from exc
+            group = self.open_members(members)
+            event = self.loss_event(old, decision, exchange, t1 - t0)
             self.install_group(group)
-            event: dict[str, Any] = {
-                "lost_ranks": sorted(set(old.ranks) - set(members)),
-                "members": list(members),
-                "step": self.steps + 1,
-                "exchange": exchange,
-                "noticed_at": what,
-                "noticed_step": lost.step,
-                "error": error,
-                "detect_s": round(lost.detect, 4),  # the failing op's time, or the silence measured
-                "silent_ranks": sorted(lost.silent),
-                "silent_s": round(max(lost.silent.values()), 4) if lost.silent else None,
-                "agree_s": round(t1 - t0, 4),
-                "rebuild_s": None,  # the new group and the averaging redone on it
-                "recover_s": None,  # from the exchange (or the failure met there) to the averaging redone
-            }
+            # rebuild_s: the new group and the averaging redone on it; recover_s: from the exchange (or the
+            # failure met there) to the averaging redone
             self.peer_losses.append(event)
             try:
                 average()
