@@ -41,12 +41,21 @@ def _model() -> nn.Module:
 
 def _loss(m: nn.Module, r: int, k: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * r + k)
-    x, y = torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64)
+    x, y = (
+        torch.randn(8, 5, generator=g, dtype=torch.float64),
+        torch.randn(8, 1, generator=g, dtype=torch.float64),
+    )
     return ((m(x) - y) ** 2).mean()
 
 
 def _train(
-    name: str, steps: int, victim: int | None, kill: int, alarm: int | None, out: str, nonfinite: str = "raise"
+    name: str,
+    steps: int,
+    victim: int | None,
+    kill: int,
+    alarm: int | None,
+    out: str,
+    nonfinite: str = "raise",
 ) -> Any:
     """``steps`` seeded steps; ``victim`` kills itself (SIGKILL) before step ``kill``, after its averagings
     in flight completed; ``alarm``: that rank takes the others for lost before step ``kill`` instead."""
@@ -101,7 +110,9 @@ def _oracle(n: int, steps: int, dead: set[int], quiet: tuple[int, ...], rank: in
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(("name", "n", "victim", "kill"), [("dreamddp", 3, 2, 4), ("plsgd-enp", 4, 0, 5)])
-def test_survivors_train_on_without_the_killed_rank(name: str, n: int, victim: int, kill: int, tmp_path: Path) -> None:
+def test_survivors_train_on_without_the_killed_rank(
+    name: str, n: int, victim: int, kill: int, tmp_path: Path
+) -> None:
     steps = 11
     out = run_processes(
         _train, n, name, steps, victim, kill, None, str(tmp_path),
