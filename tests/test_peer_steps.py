@@ -22,6 +22,7 @@ import lowband
 from lowband.errors import CommFailedError, CommTimeoutError
 from lowband.localsgd.schedule import Schedule
 from lowband.strategies import make_strategy
+from lowband.strategies.peer_steps import StepwisePeerLoss
 from lowband.testing import run_processes
 
 COMM_TIMEOUT = 10.0
@@ -30,7 +31,7 @@ LR = 0.1
 SCHEDULE = Schedule(3, ((1,), (0,), (0, 1)), "test", 3.0, (1.0, 1.0, 1.0))
 
 
-def _model() -> nn.Module:
+def _model() -> nn.Sequential:
     g = torch.Generator().manual_seed(7)
     m = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1)).double()
     with torch.no_grad():
@@ -45,7 +46,8 @@ def _loss(m: nn.Module, r: int, k: int) -> torch.Tensor:
         torch.randn(8, 5, generator=g, dtype=torch.float64),
         torch.randn(8, 1, generator=g, dtype=torch.float64),
     )
-    return ((m(x) - y) ** 2).mean()
+    out: torch.Tensor = ((m(x) - y) ** 2).mean()
+    return out
 
 
 def _train(
@@ -72,8 +74,9 @@ def _train(
                 if r == victim:
                     Path(out, f"killed-{r}").write_text(repr(time.time()))
                     os.kill(os.getpid(), 9)
+                assert isinstance(s, StepwisePeerLoss)
                 s.notice(CommFailedError("a test's false alarm"), "a test", time.monotonic())
-            s.train_step(lambda m, k=k: _loss(m, r, k))
+            s.train_step(lambda m, k=k: _loss(m, r, k))  # type: ignore[misc]
     except (CommFailedError, CommTimeoutError) as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     s.synchronize()
@@ -89,12 +92,13 @@ def _oracle(n: int, steps: int, dead: set[int], quiet: tuple[int, ...], rank: in
     at the ``quiet`` steps (failed, or trained alone)."""
     models = [_model() for _ in range(n)]
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in models]
-    layers = [[m[0].weight, m[0].bias] for m in models], [[m[2].weight, m[2].bias] for m in models]
+    # per unit (layer), per rank: its parameters (weight, bias)
+    layers = [[list(m[i].parameters()) for m in models] for i in (0, 2)]
     for t in range(steps):
         alive = [r for r in range(n) if r not in dead or t < quiet[0]]
         for r in alive:
             opts[r].zero_grad()
-            _loss(models[r], r, t).backward()
+            _loss(models[r], r, t).backward()  # type: ignore[no-untyped-call]
             opts[r].step()
         if t in quiet:
             continue
@@ -102,7 +106,7 @@ def _oracle(n: int, steps: int, dead: set[int], quiet: tuple[int, ...], rank: in
             for unit in SCHEDULE.sets[t % SCHEDULE.period]:
                 per_rank = layers[unit]
                 for i in range(2):
-                    avg = sum(per_rank[r][i] for r in alive) / len(alive)
+                    avg = torch.stack([per_rank[r][i] for r in alive]).sum(0) / len(alive)
                     for r in alive:
                         per_rank[r][i].copy_(avg)
     return [p.detach().clone() for p in models[rank].parameters()]
