@@ -123,6 +123,12 @@ def test_quorum_rules() -> None:
         membership.adopt(membership.decode("0@4,2@4"), 1, "w")
     with pytest.raises(CommFailedError, match="rank 0 at exchange 4, rank 2 at exchange 5"):
         membership.adopt(membership.decode("0@4,2@5"), 0, "w")
+    # strategies that average at every step: members at different steps catch up to the latest
+    late = membership.decode("0@4,2@5,3@4")
+    assert membership.adopt(late, 3, "w", aligned=False) == (0, 2, 3)
+    assert membership.catch_up(late) == 5
+    with pytest.raises(CommFailedError, match="rank 1 reached the membership agreement after"):
+        membership.adopt(late, 1, "w", aligned=False)
     failed = membership.failure(last, {0: 4}, 2, 7.0)
     with pytest.raises(
         CommFailedError, match=r"a quorum of 2 of the last membership \[0, 1, 2\] was not met"

@@ -49,16 +49,20 @@ def requests(store: Any, prefix: str, absent: Sequence[int], where: str) -> dict
         for r in absent:
             key = f"{prefix}/join/{r}"
             if store.check([key]):
-                out[r] = json.loads(bytes(store.get(key)).decode())
+                said = bytes(store.get(key)).decode()
+                if said:  # (empty: withdrawn)
+                    out[r] = json.loads(said)
     except (RuntimeError, TimeoutError) as exc:
         raise _store_error(where, exc) from exc
     return out
 
 
 def withdraw(store: Any, prefix: str, rank: int) -> None:
-    """Remove ``rank``'s request once answered (best effort: an unanswered one is answered again)."""
+    """Withdraw ``rank``'s request once answered (best effort: an unanswered one is answered again). The
+    key is emptied, not deleted: a member that saw it exist and reads it next must not block on a key
+    gone meanwhile (a store ``get`` waits for a missing key) nor read half a request."""
     try:
-        store.delete_key(f"{prefix}/join/{rank}")
+        store.set(f"{prefix}/join/{rank}", "")
     except (RuntimeError, TimeoutError):
         pass
 
