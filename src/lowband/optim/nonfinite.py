@@ -219,7 +219,11 @@ class NonFiniteGuard:
         vec = torch.zeros(self.group.size, dtype=torch.float32, device=dev)
         vec[self.group.rank : self.group.rank + 1] = local
         if self.group.size > 1:
-            vec = allreduce(vec.to("cpu") if self._host else vec, op="max", group=self._fast)
+            wire = vec.to("cpu") if self._host else vec
+            if self.waiter is None:
+                vec = allreduce(wire, op="max", group=self._fast)
+            else:  # a strategy that beats, or watches for a lost peer, while it waits (on_peer_loss)
+                vec = self.waiter(iallreduce(wire, op="max", group=self._fast))
         found = [int(v) for v in vec.tolist()]  # the one host read of the step
         if not any(found):
             return True

@@ -7,7 +7,10 @@ torch's ``PeriodicModelAverager`` averages all parameters (one flattened allredu
 ``on_peer_loss=continue`` (:mod:`lowband.strategies.peer_loss`): at the averaging that finds a peer dead
 the survivors agree on the members, a new averager is built on their group (same step count) and the
 averaging is redone among them; its heartbeat (``heartbeat=``, 10 s by default there) finds a stopped or
-hung peer between averagings.
+hung peer between averagings. There the averaging is torch's own arithmetic (:func:`_average_polled`:
+the same flattened copy, divided, then summed by one allreduce) on a nonblocking allreduce whose wait
+polls: a peer whose connection stays open after its death (its reset lost on a congested link) costs
+the poll's look at the store (every 50 ms), not the runtime timeout, as torch's blocking averager would.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.utils import get_params_to_average
 from torch.distributed.optim import PostLocalSGDOptimizer
 
+from lowband.comm.reduce import iallreduce
 from lowband.group import Group
 from lowband.options import Opt, Options
 from lowband.strategies.base import OptimizerFactory
@@ -105,12 +111,27 @@ class LocalSGDStrategy(PeerLoss):
 
         def average() -> None:
             with comm_errors(self.name, "step (model averaging)", self.group):
-                self.averager.average_parameters(params=groups)
+                self._average_polled(get_params_to_average(groups))
 
         if self.averager.step % self.period != 0:
             self.averager.step += 1  # no averaging at this step
             return
         self.survive(self.averager.step // self.period, average)
+
+    def _average_polled(self, params: list[nn.Parameter]) -> None:
+        """torch's ``average_parameters`` (a flattened copy divided by the group's size, summed by one
+        allreduce, copied back) with a nonblocking allreduce waited by :meth:`wait_beating`; the
+        parameters are untouched when it fails. Counts the averager's step, as torch's does."""
+        if params:
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            flat /= self.group.size
+            out = self.wait_beating(iallreduce(flat, "sum", inplace=True, group=self.group.unchecked()))
+            offset = 0
+            with torch.no_grad():
+                for p in params:
+                    p.copy_(out[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        self.averager.step += 1
 
     def regroup(self, group: Group) -> None:
         count = self.averager.step
