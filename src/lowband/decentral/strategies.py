@@ -18,6 +18,33 @@ Options (keyword-only, declared in :data:`NEIGHBOR_OPTIONS` and checked before c
 - ``period = H``: communicate every H-th step; the steps in between are local.
 
 The topology check runs on a strategy's first step only; the layer layout is checked at construction.
+
+``on_peer_loss="continue"`` (``atc``, ``awc``; options :data:`~lowband.strategies.peer_loss.PEER_LOSS_OPTIONS`):
+the survivors of a lost rank train on without it, as the strategies that average at every step do
+(:mod:`lowband.strategies.peer_steps`):
+
+- *Noticed*: a combination that fails (its wait polls: the heartbeat beats, another member's notice is
+  seen), the per-step non-finite agreement (usually first: it follows every backward), the heartbeat.
+  The combination is out of place, so a failed one writes nothing (:class:`~lowband.decentral.combine.Guarded`);
+  and from the notice on, every combination of this rank not yet written into the parameters is dropped
+  (:meth:`~lowband.decentral.optim_base.DecentralizedOptimizer.abandon`: drained, then forgotten) and
+  this rank combines nothing until the members meet: its steps are local steps (atc: adapt only; awc:
+  the local gradient step on the uncombined parameters). Nothing raises into the forward or the step.
+- What is dropped: a rank killed between two steps is noticed by every survivor at the non-finite
+  agreement of the next step, before that step's combinations are written (atc writes them at the next
+  forward, awc in the step, after the agreement): that step is a local step on every survivor. With the
+  non-finite check off (``on_nonfinite="off"``) a survivor whose combination did not involve the lost rank
+  may complete it and keep it while another drops its own: what each survivor combined before it noticed
+  stays, as in :mod:`lowband.strategies.peer_steps`.
+- *Agreed and met* after the step (a member behind the latest step count catches up alone): the topology
+  is rebuilt from its name (``topology`` option) over the members, in the order of their world ranks,
+  from its round 0 on every member; the members check their step counts, rounds and topology. So ``continue`` needs a topology name: a :class:`Topology` or :class:`DynamicTopology`
+  object is over a fixed number of ranks and is refused, and so is ``inner-outer-exp2`` (its machines
+  lose ranks unevenly).
+- Replacements (:mod:`lowband.strategies.peer_join`) are proposed before the global allreduce steps
+  (``allreduce_every > 0``) and admitted when the next step begins, taking a member's state (a neighbor
+  averaging completes without every member: it cannot carry the proposal's agreement). A replacement of
+  a strategy with ``allreduce_every=0`` is refused at construction.
 """
 
 from __future__ import annotations
@@ -208,6 +235,8 @@ class _NeighborStrategy(DecentralStrategy, StepwisePeerLoss):
             where, self.topology_name, tuple(TOPOLOGIES), group.size, current(where).local_size
         )
         self.optimizer.regroup(group, topo)
+        # the members checked the topology at their first step; a replacement's first step is not theirs
+        self._checked, self.optimizer.enable_topo_check = True, False
 
     def after_meeting(self) -> None:
         # members that trained alone for different numbers of steps counted different rounds: the
