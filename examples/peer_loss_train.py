@@ -40,7 +40,9 @@ from lowband.strategies.registry import parse_strategy_spec
 
 
 def averaged_eval(s: Strategy, wl: Workload, items: int) -> float:
-    """The held-out loss of the members' averaged model (the model itself is left as it is)."""
+    """The held-out loss of the members' averaged model (the model itself is left as it is). Averagings
+    in flight are waited first: dreamddp's write into the parameters until the next forward."""
+    s.synchronize()
     model = s.module
     saved = [p.detach().clone() for p in model.parameters()]
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -1,5 +1,5 @@
 """A user's script for ``lowband run --keep-going --replacements 1`` (tests/test_peer_join.py): local
-SGD (or ``STRATEGY=diloco``, ``flsgd-overlap``) with ``on_peer_loss=continue`` on a linear model; rank ``DIE`` kills itself at step 6 of the first
+SGD (or ``STRATEGY=diloco``, ``flsgd-overlap``, ``atc``, ``awc``) with ``on_peer_loss=continue`` on a linear model; rank ``DIE`` kills itself at step 6 of the first
 incarnation; its replacement (``LOWBAND_JOIN=1``) goes on from the step it was admitted at
 (``strategy.steps``). ``JOIN_PERIOD`` gives the replacement another period, ``JOIN_OUT`` another model
 (refused joins); ``STEPS`` the steps of the run; ``CKPT`` a folder for the checkpoint loop. Every rank
@@ -29,7 +29,12 @@ m = torch.nn.Linear(8, int(os.environ.get("JOIN_OUT", "1")) if joining else 1)
 period = int(os.environ.get("JOIN_PERIOD", "4")) if joining else 4
 name = os.environ.get("STRATEGY", "localsgd")
 opts: dict[str, Any] = {"on_peer_loss": "continue", "peer_settle": 0.5}
-opts.update({"inner_steps": period} if name == "diloco" else {"period": period})
+if name == "diloco":
+    opts["inner_steps"] = period
+elif name in ("atc", "awc"):  # neighbor averaging at every step, a global allreduce every 4th
+    opts.update(allreduce_every=period, topology="ring")
+else:
+    opts["period"] = period
 s = make_strategy(name, m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), **opts)
 start = s.steps  # 0, or where a replacement was admitted
 ckpt = Checkpointer(os.environ["CKPT"], every=8) if os.environ.get("CKPT") else None
@@ -37,7 +42,7 @@ if ckpt is not None:  # the documented loop: a replacement's resume returns wher
     start = ckpt.resume(s)
     assert start == s.steps, (start, s.steps)
 # the last step averages: torch's averager after steps 1, 5, 9, ..., 101; diloco and flsgd-overlap after
-# 4, 8, ..., 100
+# 4, 8, ..., 100; atc and awc allreduce after 4, 8, ..., 100
 for step in range(start, int(os.environ.get("STEPS", "101" if name == "localsgd" else "100"))):
     if r == int(os.environ.get("DIE", "-1")) and step == 6 and not joining:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -25,14 +25,16 @@ def _run(args: list[str], tmp_path: Path, **env: str) -> subprocess.CompletedPro
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("strategy", ["localsgd", "diloco", "flsgd-overlap"])
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco", "flsgd-overlap", "atc", "awc"])
 def test_a_replacement_joins_and_trains_on(strategy: str, tmp_path: Path) -> None:
     args = ["-n", "3", "--keep-going", "--replacements", "1", str(SCRIPT), str(tmp_path)]
     out = _run(args, tmp_path, DIE="2", STRATEGY=strategy)
     assert out.returncode == 0, out.stderr[-3000:]
     got = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)}
     assert got[2]["start"] > 6, got[2]["start"]  # the replacement went on from where it was admitted
-    for r in range(3):  # every rank, the replacement included, ends averaged with the others
+    # every rank, the replacement included, ends averaged with the others (awc's last step applies each
+    # rank's own gradient after the allreduce, so its replicas differ by then: not checked there)
+    for r in range(3 if strategy != "awc" else 0):
         assert got[r]["params"] == got[0]["params"], r
     joined = [e for e in got[0]["events"] if "joined_ranks" in e]
     assert [e["joined_ranks"] for e in joined] == [[2]] and joined[0]["members"] == [0, 1, 2], got[0][

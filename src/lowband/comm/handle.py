@@ -193,10 +193,32 @@ class Handle(Generic[T]):
         (an op still in flight after a failed wait goes on under gloo)."""
         end = time.monotonic() + timeout
         while not (self._w.done or all(w.is_completed() for w in self._works)):
+            if self._error is not None and _future_of(self._works) is None:
+                return self._end_works(end)
             if time.monotonic() >= end:
                 return False
             time.sleep(0.001)
         return True
+
+    def _end_works(self, end: float) -> bool:
+        """:meth:`drain` of a failed op whose works have no future (gloo's send/recv): such a work says it
+        ended only once waited, and the wait that failed stopped at its first failed work, so the others
+        are waited here (each at most once: a second wait of a gloo work blocks), until ``end``."""
+        w = self._w
+        if not w.lock.acquire(timeout=max(end - time.monotonic(), 0.0)):
+            return False
+        try:
+            for work in w.works:
+                left = end - time.monotonic()
+                if work.is_completed() or left <= 0:
+                    continue
+                try:
+                    work.wait(datetime.timedelta(seconds=left))
+                except RuntimeError:
+                    pass  # ended, unsuccessfully: what a drain waits for
+            return all(work.is_completed() for work in w.works)
+        finally:
+            w.lock.release()
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until the op is complete (at most ``timeout`` seconds, default the runtime's timeout)

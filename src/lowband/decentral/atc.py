@@ -103,8 +103,9 @@ class AdaptThenCombineOptimizer(DecentralizedOptimizer):
         """Wait for the combination of ``layers`` (if in flight) and write it into their parameters."""
         self._pending.wait_keys(layers)
 
-    def finish_layer(self, i: int, result: list[Tensor]) -> None:
-        write_back(self.layers[i][1], result)
+    def finish_layer(self, i: int, result: list[Tensor] | None) -> None:
+        if result is not None:  # (None: it failed under on_peer_loss="continue", the layer stays as it is)
+            write_back(self.layers[i][1], result)
 
     # -- the Optimizer interface ------------------------------------------------------------------
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

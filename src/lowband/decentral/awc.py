@@ -116,5 +116,6 @@ class AdaptWithCombineOptimizer(DecentralizedOptimizer):
         parameters the backward needs, so only :meth:`step` calls it then."""
         self._pending.wait_all(in_key_order=True)
 
-    def finish_layer(self, i: int, result: list[Tensor]) -> None:
-        write_back(self.layers[i][1], result)
+    def finish_layer(self, i: int, result: list[Tensor] | None) -> None:
+        if result is not None:  # (None: it failed under on_peer_loss="continue", the layer stays as it is)
+            write_back(self.layers[i][1], result)

@@ -2,12 +2,15 @@
 the plan of an iteration, and the launch of one fused nonblocking operation per layer.
 
 Every launcher is out of place: the parameters are read (sent as they are; do not change them until
-the operation is waited), and :func:`write_back` copies the combined values in once it completes.
+the operation is waited), and :func:`write_back` copies the combined values in once it completes. So a
+combination that fails leaves the parameters as they were: :class:`Guarded` (``on_peer_loss="continue"``)
+tells the strategy, waits until the operation has ended and gives nothing to write.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +22,9 @@ from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle
 from lowband.decentral.hierarchical import ihierarchical_neighbor_allreduce
 from lowband.decentral.neighbor import igrouped_neighbor_allreduce
+from lowband.errors import CommFailedError, CommTimeoutError
 from lowband.group import Group
+from lowband.optim.pending import Survival
 
 Tensor = torch.Tensor
 
@@ -53,6 +58,42 @@ class Pending:
 
     def wait(self) -> list[Tensor]:
         return self.unpack([h.wait() for h in self.handles])
+
+    def drain(self, timeout: float) -> None:
+        """Block until every operation has ended, successfully or not (at most ``timeout`` s each)."""
+        for h in self.handles:
+            h.drain(timeout)
+
+
+def _nothing(_result: object) -> None:
+    pass
+
+
+class Guarded:
+    """Layer ``layer``'s combination in flight under ``survival`` (``on_peer_loss="continue"``): waiting
+    never raises a lost peer. A failed wait tells ``survival.lost`` (the strategy notices the loss and
+    breaks its group), drains the operation (nothing reads the parameters it sends any more) and gives
+    None: nothing is written, the layer keeps the parameters it had (the combination is out of place)."""
+
+    def __init__(self, pending: Pending, layer: int, survival: Survival) -> None:
+        self.pending, self.layer, self.survival = pending, layer, survival
+        self.launched = time.monotonic()
+        # gloo's send/recv works say nothing of their end until waited, so a polling wait would never see
+        # it: the rank's completion thread waits them meanwhile (Handle.then), which ends the poll
+        for h in pending.handles:
+            h.then(_nothing)
+
+    def wait(self) -> list[Tensor] | None:
+        try:
+            results = [self.survival.wait(h) for h in self.pending.handles]
+        except (CommFailedError, CommTimeoutError) as exc:
+            self.survival.lost(exc, self.layer, self.launched)
+            self.drain()
+            return None
+        return self.pending.unpack(results)
+
+    def drain(self) -> None:
+        self.pending.drain(self.survival.drain_s)
 
 
 def _fuse(ts: Sequence[Tensor]) -> tuple[list[Tensor], Callable[[list[Any]], list[Tensor]]]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from lowband.comm.agree import agree, crc
 from lowband.comm.initial import broadcast_initial_state
-from lowband.decentral.combine import CommunicationType, Pending, Plan, launch
+from lowband.decentral.combine import CommunicationType, Guarded, Pending, Plan, launch
 from lowband.decentral.knobs import (
     Knob,
     check_bool,
@@ -42,7 +42,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim import parameter_layers
 from lowband.optim.factory import as_optimizer_factory
-from lowband.optim.pending import PendingWork, forward_pre_hooks, module_layers
+from lowband.optim.pending import PendingWork, Survival, forward_pre_hooks, module_layers
 from lowband.runtime import Context, world_group
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import MACHINE_TOPOLOGIES, TOPOLOGIES, build_topology
@@ -94,8 +94,9 @@ class WrapperBase(torch.optim.Optimizer):
         self.defaults = dict(self.inner.defaults)
         self.steps = 0
         self._hooks: list[Any] = []
-        #: each layer's combination in flight; waiting writes its result with :meth:`finish_layer`
-        self._pending: PendingWork[list[Tensor]] = PendingWork(self.finish_layer)
+        #: each layer's combination in flight; waiting writes its result with :meth:`finish_layer` (None:
+        #: a combination that failed under ``on_peer_loss="continue"``, nothing to write)
+        self._pending: PendingWork[list[Tensor] | None] = PendingWork(self.finish_layer)
         self._check_layout()
         # start every replica from rank 0's parameters and buffers, as DDP does (after the layout check)
         broadcast_initial_state(model, group=self.group, enabled=broadcast_init, where=self.where)
@@ -167,8 +168,9 @@ class WrapperBase(torch.optim.Optimizer):
 
         self._hooks.append(self.model.register_forward_pre_hook(count, prepend=True))
 
-    def finish_layer(self, i: int, result: list[Tensor]) -> None:
-        """What waiting for layer ``i``'s operation ends with (nothing here; combiners write back)."""
+    def finish_layer(self, i: int, result: list[Tensor] | None) -> None:
+        """What waiting for layer ``i``'s operation ends with (nothing here; combiners write back; None: it
+        failed and was survived)."""
 
     def remove_hooks(self) -> None:
         """Detach from the model (finishing what is in flight first)."""
@@ -279,6 +281,8 @@ class DecentralizedOptimizer(WrapperBase):
         #: neighbor-averaging rounds done (the index given to ``dynamic_topology.at``)
         self.neighbor_rounds = 0
         self._plan: Plan | None = None
+        #: under ``on_peer_loss="continue"``: how a failed combination is survived (None: it raises)
+        self.survival: Survival | None = None
 
     def counters(self) -> dict[str, Any]:
         return {"steps": self.steps, "neighbor_rounds": self.neighbor_rounds}
@@ -342,6 +346,28 @@ class DecentralizedOptimizer(WrapperBase):
         self.steps += 1
         self._plan = None
 
-    def launch_layer(self, i: int) -> Pending | None:
+    def launch_layer(self, i: int) -> Pending | Guarded | None:
         """Start combining layer ``i``'s parameters as the current plan says (None: nothing to send)."""
-        return launch(self.plan(), self.layers[i][1], self.layer_name(i))
+        pending = launch(self.plan(), self.layers[i][1], self.layer_name(i))
+        if pending is None or self.survival is None:
+            return pending
+        return Guarded(pending, i, self.survival)
+
+    # -- a lost peer (on_peer_loss="continue", lowband.decentral.strategies) ------------------------
+    def abandon(self) -> None:
+        """A lost peer was noticed: drop every combination in flight without writing it (each drained
+        first: the strategy broke the group, so they end at once) and send nothing more this iteration."""
+        for i in self._pending:
+            work = self._pending.pop(i)
+            if isinstance(work, Guarded):  # (only under on_peer_loss="continue" is a loss noticed)
+                work.drain()
+        self._plan = Plan(CommunicationType.empty, {}, self.group, False)
+
+    def regroup(self, group: Group, topology: Topology | DynamicTopology) -> None:
+        """Combine over ``group`` (the members after a membership change) with ``topology`` (over its
+        ranks) from the next iteration on."""
+        self.group = group
+        dyn = isinstance(topology, DynamicTopology)
+        self.topology = None if dyn else topology
+        self.dynamic_topology = topology if dyn else None
+        self._plan = None

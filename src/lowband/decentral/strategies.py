@@ -18,6 +18,33 @@ Options (keyword-only, declared in :data:`NEIGHBOR_OPTIONS` and checked before c
 - ``period = H``: communicate every H-th step; the steps in between are local.
 
 The topology check runs on a strategy's first step only; the layer layout is checked at construction.
+
+``on_peer_loss="continue"`` (``atc``, ``awc``; options :data:`~lowband.strategies.peer_loss.PEER_LOSS_OPTIONS`):
+the survivors of a lost rank train on without it, as the strategies that average at every step do
+(:mod:`lowband.strategies.peer_steps`):
+
+- *Noticed*: a combination that fails (its wait polls: the heartbeat beats, another member's notice is
+  seen), the per-step non-finite agreement (usually first: it follows every backward), the heartbeat.
+  The combination is out of place, so a failed one writes nothing (:class:`~lowband.decentral.combine.Guarded`);
+  and from the notice on, every combination of this rank not yet written into the parameters is dropped
+  (:meth:`~lowband.decentral.optim_base.DecentralizedOptimizer.abandon`: drained, then forgotten) and
+  this rank combines nothing until the members meet: its steps are local steps (atc: adapt only; awc:
+  the local gradient step on the uncombined parameters). Nothing raises into the forward or the step.
+- What is dropped: a rank killed between two steps is noticed by every survivor at the non-finite
+  agreement of the next step, before that step's combinations are written (atc writes them at the next
+  forward, awc in the step, after the agreement): that step is a local step on every survivor. With the
+  non-finite check off (``on_nonfinite="off"``) a survivor whose combination did not involve the lost rank
+  may complete it and keep it while another drops its own: what each survivor combined before it noticed
+  stays, as in :mod:`lowband.strategies.peer_steps`.
+- *Agreed and met* after the step (a member behind the latest step count catches up alone): the topology
+  is rebuilt from its name (``topology`` option) over the members, in the order of their world ranks,
+  from its round 0 on every member; the members check their step counts, rounds and topology. So ``continue`` needs a topology name: a :class:`Topology` or :class:`DynamicTopology`
+  object is over a fixed number of ranks and is refused, and so is ``inner-outer-exp2`` (its machines
+  lose ranks unevenly).
+- Replacements (:mod:`lowband.strategies.peer_join`) are proposed before the global allreduce steps
+  (``allreduce_every > 0``) and admitted when the next step begins, taking a member's state (a neighbor
+  averaging completes without every member: it cannot carry the proposal's agreement). A replacement of
+  a strategy with ``allreduce_every=0`` is refused at construction.
 """
 
 from __future__ import annotations
@@ -28,6 +55,7 @@ from typing import Any
 
 from torch import nn
 
+from lowband.comm.agree import agree, crc
 from lowband.decentral.atc import AdaptThenCombineOptimizer
 from lowband.decentral.awc import AdaptWithCombineOptimizer
 from lowband.decentral.gradient_allreduce import GradientAllreduceOptimizer
@@ -35,9 +63,12 @@ from lowband.decentral.optim_base import CommunicationType, DecentralizedOptimiz
 from lowband.decentral.winput import WinPutOptimizer
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.pending import Survival
 from lowband.options import Opt, Options
 from lowband.runtime import current
 from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.peer_loss import PEER_LOSS_OPTIONS
+from lowband.strategies.peer_steps import StepwisePeerLoss
 from lowband.strategies.registry import register_strategy
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import (
@@ -57,7 +88,8 @@ DEFAULT_TOPOLOGY = "dynamic-exp2"
 
 
 _PERIOD = Opt(int, min=1, unit="steps", doc="communicate every period-th step (local steps between)")
-#: the options of ``atc`` and ``awc`` (module docstring); ``hierarchical-atc`` takes machine topologies
+#: the options of ``atc`` and ``awc`` (module docstring; they add :data:`PEER_LOSS_OPTIONS`);
+#: ``hierarchical-atc`` takes machine topologies
 NEIGHBOR_OPTIONS = Options(
     {
         "topology": topology_option(tuple(TOPOLOGIES)),
@@ -100,10 +132,14 @@ class DecentralStrategy(Strategy):
         every = self.allreduce_every
         self._allreduce = self._rounds > 0 and every > 0 and self._rounds % every == 0
         opt.communication_type = CommunicationType.allreduce if self._allreduce else self.base_type
+        if not self.membership_settled():  # a lost peer noticed (on_peer_loss=continue): train alone
+            self._allreduce = False
+            opt.communication_type = CommunicationType.empty
 
     def after_step(self) -> None:
-        self._global = (
-            self.group.size == 1 or self._allreduce or (self.neighbor_is_global and self._rounds > 0)
+        super().after_step()  # (the heartbeat, where the strategy has one)
+        self._global = self.group.size == 1 or (
+            self.membership_settled() and (self._allreduce or (self.neighbor_is_global and self._rounds > 0))
         )
         self._checked = True
         self._prepare()
@@ -147,26 +183,99 @@ class DecentralStrategy(Strategy):
         self.optimizer.remove_hooks()
 
 
-class _NeighborStrategy(DecentralStrategy):
-    """ATC or AWC (``optimizer_class``) over a named topology: the one constructor both share."""
+class _NeighborStrategy(DecentralStrategy, StepwisePeerLoss):
+    """ATC or AWC (``optimizer_class``) over a named topology: the one constructor both share, and
+    ``on_peer_loss="continue"`` (module docstring)."""
 
     optimizer_class: type[AdaptThenCombineOptimizer] | type[AdaptWithCombineOptimizer]
 
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = DEFAULT_TOPOLOGY,
-        allreduce_every: int = 0, period: int = 1,
+        allreduce_every: int = 0, period: int = 1, on_peer_loss: str = "raise", min_ranks: int | None = None,
+        peer_settle: float = 1.0, heartbeat: float | None = None,
     ) -> None:  # fmt: skip
-        where = f"{type(self).__name__}"
+        where = f"{type(self).__name__} on rank {group.world_rank}"
         ae, h = allreduce_every, period
-        topo = build_topology(where, topology, tuple(TOPOLOGIES), group.size, current(where).local_size)
+        ctx = current(where)
+        if on_peer_loss == "continue":
+            _check_survivable(where, topology, allreduce_every, ctx.joining)
+        topo = build_topology(where, topology, tuple(TOPOLOGIES), group.size, ctx.local_size)
         opt = self.optimizer_class(
             model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
         )
         super().__init__(model, opt, group, topology=topology, allreduce_every=ae, period=h)
+        self.init_peer_loss(on_peer_loss, min_ranks, peer_settle, heartbeat)
+        if on_peer_loss == "continue":
+            opt.survival = Survival(self.wait_beating, self._combination_lost, ctx.config.timeout)
+
+    # -- a lost peer (on_peer_loss="continue": module docstring, lowband.strategies.peer_steps) -----
+    def begin_step(self) -> None:
+        super().begin_step()  # (admits the replacements proposed at the last global allreduce)
+        if self._allreduce and self.peer_loss == "continue":
+            self.propose_joins(self._rounds)  # before this step's allreduce is launched
+
+    def after_step(self) -> None:
+        super().after_step()
+        if self.peer_loss == "continue" and not self.membership_settled():
+            self.recover()  # the members agree (and, once caught up, meet on their group)
+            self._prepare()  # the next step's knobs, on the new group once met
+
+    def notice(
+        self, exc: BaseException, what: str, began: float, silent: dict[int, float] | None = None
+    ) -> None:
+        super().notice(exc, what, began, silent)
+        self.optimizer.abandon()  # every combination not written yet is dropped
+
+    def _combination_lost(self, exc: BaseException, layer: int, launched: float) -> None:
+        self.notice(exc, f"the combination of {self.optimizer.layer_name(layer)!r}", launched)
+
+    def regroup(self, group: Group) -> None:
+        where = f"{type(self).__name__} on rank {group.world_rank}"
+        topo = build_topology(
+            where, self.topology_name, tuple(TOPOLOGIES), group.size, current(where).local_size
+        )
+        self.optimizer.regroup(group, topo)
+        # the members checked the topology at their first step; a replacement's first step is not theirs
+        self._checked, self.optimizer.enable_topo_check = True, False
+
+    def after_meeting(self) -> None:
+        # members that trained alone for different numbers of steps counted different rounds: the
+        # topology rebuilt over the members starts at its first round on every one of them
+        opt = self.optimizer
+        opt.neighbor_rounds = 0
+        agree(
+            self.group, "the step counts and the topology after a membership change",
+            [self.steps, opt.steps, opt.neighbor_rounds, crc(self.topology_name), self.group.size],
+            fields=("the strategy's steps", "the optimizer's steps", "the neighbor rounds", "the topology hash",
+                    "the group size"),
+            where=f"{type(self).__name__} on rank {self.group.world_rank}",
+        )  # fmt: skip
+
+
+def _check_survivable(where: str, topology: object, allreduce_every: int, joining: bool) -> None:
+    """What ``on_peer_loss="continue"`` needs of the options (module docstring)."""
+    if not isinstance(topology, str):
+        raise InvalidArgumentError(
+            f"{where}: on_peer_loss='continue' rebuilds the topology over the survivors from its name: option "
+            f"'topology' must be a name ({', '.join(n for n in TOPOLOGIES if n != 'inner-outer-exp2')}), not a "
+            f"{type(topology).__name__} over a fixed number of ranks"
+        )
+    if topology == "inner-outer-exp2":
+        raise InvalidArgumentError(
+            f"{where}: on_peer_loss='continue' cannot rebuild option 'topology'={topology!r} over the "
+            "survivors (its machines lose ranks unevenly): give another topology"
+        )
+    if joining and allreduce_every == 0:
+        raise InvalidArgumentError(
+            f"{where}: this process replaces a lost rank, but replacements join at the global allreduce "
+            "steps and option 'allreduce_every' is 0: give the members allreduce_every > 0"
+        )
 
 
 @register_strategy(
-    "atc", "BlueFog Adapt-Then-Combine: layer steps in backward, then neighbor averaging", NEIGHBOR_OPTIONS
+    "atc",
+    "BlueFog Adapt-Then-Combine: layer steps in backward, then neighbor averaging",
+    NEIGHBOR_OPTIONS | PEER_LOSS_OPTIONS,
 )
 class ATCStrategy(_NeighborStrategy):
     name = "atc"
@@ -175,7 +284,9 @@ class ATCStrategy(_NeighborStrategy):
 
 
 @register_strategy(
-    "awc", "BlueFog Adapt-With-Combine: neighbor averaging from forward hooks, overlapped", NEIGHBOR_OPTIONS
+    "awc",
+    "BlueFog Adapt-With-Combine: neighbor averaging from forward hooks, overlapped",
+    NEIGHBOR_OPTIONS | PEER_LOSS_OPTIONS,
 )
 class AWCStrategy(_NeighborStrategy):
     name = "awc"

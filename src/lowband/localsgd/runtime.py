@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,22 +50,11 @@ from lowband.comm.handle import Handle
 from lowband.errors import CommFailedError, CommTimeoutError
 from lowband.group import Group
 from lowband.localsgd.units import UnitSpec, unit_tensors
-from lowband.optim.pending import PendingWork, forward_pre_hooks
+from lowband.optim.pending import PendingWork, Survival, forward_pre_hooks
 
 
 def _nbytes(ps: Sequence[torch.Tensor]) -> int:
     return sum(p.numel() * p.element_size() for p in ps)
-
-
-@dataclass(frozen=True)
-class Survival:
-    """How a :class:`LayerAverager` survives a lost peer (module docstring): ``wait(handle)`` waits for an
-    averaging (polling); ``lost(error, unit, launched)`` is told of a failed one (the strategy notices
-    the loss and breaks the group); ``drain_s`` bounds the wait for the failed op to end."""
-
-    wait: Callable[[Handle[Any]], Any]
-    lost: Callable[[BaseException, int, float], None]
-    drain_s: float
 
 
 class _Guarded:

@@ -70,11 +70,12 @@ from lowband.localsgd.costmodel import CostProfile
 from lowband.localsgd.divergence import model_divergence
 from lowband.localsgd.profiler import resolve_profile, save_profile_atomic
 from lowband.localsgd.rescheduling import ScheduledStrategy
-from lowband.localsgd.runtime import LayerAverager, Survival
+from lowband.localsgd.runtime import LayerAverager
 from lowband.localsgd.schedule import Schedule
 from lowband.localsgd.schedulers import scheduler_names
 from lowband.localsgd.trials import DEFAULT_TRIAL_PERIODS
 from lowband.optim.layerwise import LayerwiseOptimizer, parameter_layers
+from lowband.optim.pending import Survival
 from lowband.options import Opt, Options, Rule
 from lowband.runtime import current
 from lowband.strategies.base import LossFn, OptimizerFactory

@@ -10,10 +10,14 @@ registers the forward pre-hooks, one per module holding parameters, with the lay
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from lowband.comm.handle import Handle
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -25,6 +29,20 @@ class Waitable(Protocol[T_co]):
     """Anything with a bounded ``wait()`` returning a result (a :class:`lowband.Handle`)."""
 
     def wait(self) -> T_co: ...
+
+
+@dataclass(frozen=True)
+class Survival:
+    """How waiting for work in flight survives a lost peer (``on_peer_loss="continue"``): ``wait(handle)``
+    waits for an operation (polling: beating, watching whether another member noticed a loss);
+    ``lost(error, key, launched)`` is told of a failed one (the strategy notices the loss and breaks its
+    group); ``drain_s`` bounds the wait for the failed op to end before its buffers are reused. Used by
+    local SGD's partial averaging (:class:`lowband.localsgd.runtime.LayerAverager`) and the decentralized
+    combinations (:class:`lowband.decentral.optim_base.DecentralizedOptimizer`)."""
+
+    wait: Callable[[Handle[Any]], Any]
+    lost: Callable[[BaseException, int, float], None]
+    drain_s: float
 
 
 class PendingWork(Generic[T]):

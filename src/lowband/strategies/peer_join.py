@@ -140,7 +140,8 @@ def join_if_replacement(strategy: Any, where: str) -> None:
         raise InvalidArgumentError(
             f"{where}: this process replaces a lost rank (LOWBAND_JOIN=1, lowband run --replacements) but "
             f"strategy {strategy.name!r} does not train on without lost ranks: give it on_peer_loss='continue' "
-            "(localsgd, diloco, dreamddp, plsgd-enp, flsgd-overlap), or run without --replacements"
+            "(localsgd, diloco, dreamddp, plsgd-enp, flsgd-overlap, atc and awc with allreduce_every > 0), or run "
+            "without --replacements"
         )
     join(strategy)
 
