@@ -56,7 +56,8 @@ for step in range(start, int(os.environ.get("STEPS", "101" if name == "localsgd"
     s.train_step(loss)
     if ckpt is not None:
         ckpt.maybe_save(s, step + 1)
-    time.sleep(0.1)  # the replacement needs a few seconds to start: the others train meanwhile
+    if s.group.size < lowband.size():  # the replacement needs a few seconds to start: the others train
+        time.sleep(0.1)  # meanwhile (once it joined, or before the loss, no wait)
 s.synchronize()
 with open(os.path.join(folder, f"rank{r}.json"), "w") as f:
     json.dump({"params": [p.detach().flatten().tolist() for p in m.parameters()], "start": start,
