@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import lowband
-from lowband.errors import CommFailedError, CommTimeoutError
+from lowband.errors import CommFailedError, CommTimeoutError, NonFiniteError
 from lowband.localsgd.schedule import Schedule
 from lowband.strategies import make_strategy
 from lowband.strategies.peer_steps import StepwisePeerLoss
@@ -159,3 +159,37 @@ def test_a_survivor_that_noticed_first_catches_up_alone(tmp_path: Path) -> None:
         want = _oracle(n, steps, set(), (4, 5), r)
         for a, b in zip(got["params"], want, strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+def _nan_alone(out: str) -> Any:
+    """Rank 1 takes the others for lost before step 3 and its step-3 loss is NaN, while it trains alone."""
+    r = lowband.rank()
+    s = make_strategy(
+        "dreamddp",
+        _model(),
+        lambda ps: torch.optim.SGD(ps, lr=LR),
+        schedule=SCHEDULE,
+        on_peer_loss="continue",
+    )
+    try:
+        for k in range(8):
+            if k == 3 and r == 1:
+                s.synchronize()
+                time.sleep(0.5)
+                assert isinstance(s, StepwisePeerLoss)
+                s.notice(CommFailedError("a test's false alarm"), "a test", time.monotonic())
+            bad = k == 3 and r == 1
+            s.train_step(lambda m, k=k, bad=bad: _loss(m, r, k) * (float("nan") if bad else 1.0))  # type: ignore[misc]
+    except NonFiniteError as exc:
+        return {"error": "NonFiniteError", "message": str(exc), "steps": s.steps}
+    return {"ranks": s.group.ranks, "steps": s.steps}
+
+
+@pytest.mark.timeout(60)
+def test_a_non_finite_gradient_while_training_alone_raises(tmp_path: Path) -> None:
+    """While a survivor trains alone its own guard reads the layers' checks (they were left on the
+    group's guard, which zeroed the NaN gradient and never raised); the others go on without it."""
+    out = run_processes(_nan_alone, 3, str(tmp_path), timeout=50, comm_timeout=COMM_TIMEOUT)
+    assert out[1]["error"] == "NonFiniteError" and out[1]["steps"] == 3, out[1]
+    for r in (0, 2):
+        assert out[r] == {"ranks": (0, 2), "steps": 8}, out[r]

@@ -140,6 +140,18 @@ class NonFiniteGuard:
             self.stages.append(stage)
             stage.guard = self
 
+    def moved(self, group: Group, *, step: Callable[[], int]) -> NonFiniteGuard:
+        """A guard of the same policy over ``group`` (a survivor's own, once it noticed a lost peer),
+        taking over the gradient stages (which flag into the guard that reads them: left on this one, a
+        non-finite gradient would be zeroed and never raised) and this step's flags so far."""
+        guard = NonFiniteGuard(self.policy, group, where=self.where, step=step)
+        guard.deferred, guard.skipped = self.deferred, self.skipped
+        for stage in self.stages:
+            guard.attach(stage)
+        guard._flags, guard._labels = self._flags, self._labels
+        self.stages, self._flags, self._labels = [], [], []
+        return guard
+
     def covered(self) -> set[int]:
         """ids of the parameters the attached stages check (stages with their hooks on)."""
         return {id(p) for s in self.stages if s.enabled for u in s.units for p in u.params}

@@ -74,7 +74,6 @@ from lowband.comm.membership import agree
 from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError
 from lowband.group import Group
 from lowband.membership import Decision
-from lowband.optim.nonfinite import NonFiniteGuard
 from lowband.options import Opt, Options
 from lowband.runtime import current, open_group, rendezvous_store
 from lowband.strategies import peer_join
@@ -227,8 +226,7 @@ class PeerLoss(Heartbeating):
         old = self.nonfinite
         if old is not None:
             alone = Group(None, (self.group.world_rank,), 0, "alone")
-            guard = NonFiniteGuard(old.policy, alone, where=old.where, step=lambda: self.steps)
-            guard.deferred, guard.skipped = old.deferred, old.skipped
+            guard = old.moved(alone, step=lambda: self.steps)
             self.nonfinite = guard
 
     # -- surviving ----------------------------------------------------------------------------------
