@@ -45,6 +45,8 @@ def _flat(sd: dict[str, torch.Tensor]) -> list[float]:
 SPECS: dict[str, dict[str, Any]] = {
     "atc": {"topology": "ring"},
     "awc": {"topology": "ring"},
+    # every step an allreduce of the parameters, then the local gradient applied: replicas still differ
+    "awc-allreduce": {"topology": "ring", "allreduce_every": 1},
     "winput": {"topology": "ring"},
     # layer 0 averaged in even iterations, layers 1 and 2 in odd ones: after 3 steps they differ
     "dreamddp": {"schedule": Schedule(2, ((0,), (1, 2)), "hand", 0.0, (0.0, 0.0))},
@@ -56,7 +58,7 @@ SPECS: dict[str, dict[str, Any]] = {
 def _consensus(name: str) -> dict[str, Any]:
     r = lowband.rank()
     m = _model()
-    s = make_strategy(name, m, _opt, **SPECS[name])
+    s = make_strategy("awc" if name == "awc-allreduce" else name, m, _opt, **SPECS[name])
     for k in range(STEPS):
         b = _batch(r, k)
         s.train_step(lambda mod, b=b: ((mod(b[0]) - b[1]) ** 2).mean())
@@ -87,13 +89,13 @@ def _check(res: list[dict[str, Any]], name: str) -> None:
         assert res[0]["spread"] == 0.0
     elif name == "gradient-allreduce":
         assert all(g["in_sync"] and g["spread"] == 0.0 for g in res)
-    elif n == 4 or name in ("dreamddp", "localsgd"):
+    elif n == 4 or name in ("dreamddp", "localsgd", "awc-allreduce"):
         # replicas differ by design here (at 2 ranks a ring's neighbor average is the exact mean)
         assert all(not g["in_sync"] and g["spread"] > 1e-6 for g in res), name
 
 
 @pytest.mark.parametrize("n", (1, 2, 4))
-@pytest.mark.parametrize("name", ("atc", "awc", "winput", "dreamddp", "gradient-allreduce"))
+@pytest.mark.parametrize("name", ("atc", "awc", "awc-allreduce", "winput", "dreamddp", "gradient-allreduce"))
 def test_average_is_the_mean_of_the_replicas(name: str, n: int) -> None:
     _check(run_threads(_consensus, n, name, timeout=90), name)
 

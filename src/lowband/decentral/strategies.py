@@ -14,7 +14,8 @@ Options (keyword-only, declared in :data:`NEIGHBOR_OPTIONS` and checked before c
   ranks, 1.5 at 4). The static ``exp2`` sends ``ceil(log2 n)`` copies, and at 3 ranks it is the full
   graph (2 copies, 1.5x DDP's bytes). ``winput`` (static topologies only) keeps ``exp2``.
 - ``allreduce_every = k`` (> 0): every k-th communication is a global allreduce of the parameters
-  instead of a neighbor averaging (0: never). :meth:`in_sync` is True right after such a step.
+  instead of a neighbor averaging (0: never). :meth:`in_sync` is True right after such a step (not for
+  ``awc``, which applies each rank's own gradient after the combination).
 - ``period = H``: communicate every H-th step; the steps in between are local.
 
 The topology check runs on a strategy's first step only; the layer layout is checked at construction.
@@ -291,6 +292,10 @@ class ATCStrategy(_NeighborStrategy):
 class AWCStrategy(_NeighborStrategy):
     name = "awc"
     optimizer_class = AdaptWithCombineOptimizer
+
+    def in_sync(self) -> bool:
+        # the combination (a global allreduce included) is followed by each rank's own gradient step
+        return self.group.size == 1
 
 
 @register_strategy(
