@@ -12,6 +12,7 @@ alarm rebuilds the windows over every rank; a topology object and a replacement 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,12 @@ def _train(
     s.synchronize()
     params = [p.detach().clone() for p in s.local_module.parameters()]
     report = s.report()
+    receivers = sorted(t.name for t in threading.enumerate() if t.name.startswith("lowband-win-"))
     s.close()
-    return {"params": params, "report": report, "ranks": s.group.ranks, "steps": s.steps, "own": own_buffers}
+    return {
+        "params": params, "report": report, "ranks": s.group.ranks, "steps": s.steps, "own": own_buffers,
+        "receivers": receivers,
+    }  # fmt: skip
 
 
 @pytest.mark.timeout(90)
@@ -100,7 +105,8 @@ def test_survivors_train_on_without_the_killed_rank(
         timeout=80, comm_timeout=COMM_TIMEOUT, allow_exit=(victim,),
     )  # fmt: skip
     topo = build_topology("test", topology, tuple(TOPOLOGIES), n, 1)
-    assert isinstance(topo, Topology)
+    rebuilt = build_topology("test", topology, tuple(TOPOLOGIES), n - 1, 1)
+    assert isinstance(topo, Topology) and isinstance(rebuilt, Topology)
     survivors = [r for r in range(n) if r != victim]
     for r in survivors:
         got = out[r]
@@ -112,6 +118,10 @@ def test_survivors_train_on_without_the_killed_rank(
         # the barrier before the step), before that step's combination: a local step on every survivor
         assert (event["exchange"], event["step"], event["caught_up_steps"]) == (kill + 1, kill + 1, 0), event
         assert event["noticed_step"] == kill and event["recover_s"] < 10.0, event
+        # the old windows' receivers ended: one per neighbor in the rebuilt topology remains
+        me = survivors.index(r)
+        peers = sorted({*rebuilt.in_neighbors(me), *rebuilt.out_neighbors(me)})
+        assert got["receivers"] == sorted(f"lowband-win-r{r}-from{p}" for p in peers), got["receivers"]
         if first and victim in {*topo.in_neighbors(r), *topo.out_neighbors(r)}:
             # its receiver from the dead rank failed while it waited: its first put raised that, noticed
             assert event["noticed_at"].startswith("the window 'winput"), event
