@@ -43,8 +43,8 @@ def _train(
     topology: str, steps: int, victim: int | None, kill: int, alarm: int | None, out: str, first: bool = False
 ) -> Any:
     """``steps`` seeded steps in lockstep; ``victim`` kills itself (SIGKILL) before step ``kill``, after its
-    puts completed (``first``: at once, while the others wait 0.5 s before that step: they meet the dead
-    rank at their windows; else after 0.5 s, in which the others' puts to it are applied: they meet it
+    puts completed (``first``: at once, while the others wait for its death before that step: they meet
+    the dead rank at their windows; else after 0.5 s, in which the others' puts to it are applied: they meet it
     at the barrier); ``alarm``: that rank takes the others for lost before step ``kill``."""
     r = lowband.rank()
     s = make_strategy(
@@ -55,7 +55,9 @@ def _train(
     try:
         for k in range(steps):
             if k == kill and first and r != victim:
-                time.sleep(0.5)  # (the victim is dead by now: this rank's receiver from it failed)
+                while not Path(out, f"killed-{victim}").exists():  # written just before the kill
+                    time.sleep(0.01)
+                time.sleep(0.3)  # (the victim is dead by now: this rank's receiver from it failed)
             if k == kill and r in (victim, alarm):
                 s.synchronize()
                 time.sleep(0 if first else 0.5)  # (the others' puts to this rank are applied meanwhile)
