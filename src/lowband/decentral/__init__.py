@@ -14,7 +14,7 @@ hierarchical neighbor averaging, and the per-rank topology state.
 - :mod:`~lowband.decentral.optimizers` (``atc``, ``awc``, ``gradient_allreduce``, ``winput``,
   ``combine``, ``knobs``, ``optim_base``): decentralized optimizer wrappers around torch optimizers.
 - :mod:`~lowband.decentral.strategies`: those optimizers as lowband strategies (atc, awc,
-  hierarchical-atc, winput, gradient-allreduce).
+  hierarchical-atc, gradient-allreduce; winput in :mod:`~lowband.decentral.winput_strategy`).
 """
 
 from lowband.decentral.hierarchical import hierarchical_neighbor_allreduce, ihierarchical_neighbor_allreduce

@@ -1,5 +1,6 @@
 """The decentralized optimizers as lowband strategies (so ``lowband bench`` and ``lowband demo`` run them):
-``atc``, ``awc``, ``hierarchical-atc``, ``winput`` and ``gradient-allreduce``.
+``atc``, ``awc``, ``hierarchical-atc`` and ``gradient-allreduce`` (``winput``:
+:mod:`lowband.decentral.winput_strategy`).
 
 Options (keyword-only, declared in :data:`NEIGHBOR_OPTIONS` and checked before construction):
 
@@ -51,7 +52,7 @@ the survivors of a lost rank train on without it, as the strategies that average
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from torch import nn
@@ -74,7 +75,6 @@ from lowband.strategies.registry import register_strategy
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import (
     MACHINE_TOPOLOGIES,
-    STATIC_TOPOLOGIES,
     TOPOLOGIES,
     build_topology,
     topology_label,
@@ -88,14 +88,14 @@ TopologyArg = str | Topology | DynamicTopology
 DEFAULT_TOPOLOGY = "dynamic-exp2"
 
 
-_PERIOD = Opt(int, min=1, unit="steps", doc="communicate every period-th step (local steps between)")
+PERIOD = Opt(int, min=1, unit="steps", doc="communicate every period-th step (local steps between)")
 #: the options of ``atc`` and ``awc`` (module docstring; they add :data:`PEER_LOSS_OPTIONS`);
 #: ``hierarchical-atc`` takes machine topologies
 NEIGHBOR_OPTIONS = Options(
     {
         "topology": topology_option(tuple(TOPOLOGIES)),
         "allreduce_every": Opt(int, min=0, doc="every k-th communication a global allreduce (0: never)"),
-        "period": _PERIOD,
+        "period": PERIOD,
     }
 )
 
@@ -253,14 +253,20 @@ class _NeighborStrategy(DecentralStrategy, StepwisePeerLoss):
         )  # fmt: skip
 
 
-def _check_survivable(where: str, topology: object, allreduce_every: int, joining: bool) -> None:
-    """What ``on_peer_loss="continue"`` needs of the options (module docstring)."""
+def check_survivable_topology(where: str, topology: object, names: Iterable[str]) -> None:
+    """Under ``on_peer_loss="continue"`` the topology is rebuilt over the survivors from its name: option
+    ``topology`` must be one of ``names``, not a topology object over a fixed number of ranks."""
     if not isinstance(topology, str):
         raise InvalidArgumentError(
             f"{where}: on_peer_loss='continue' rebuilds the topology over the survivors from its name: option "
-            f"'topology' must be a name ({', '.join(n for n in TOPOLOGIES if n != 'inner-outer-exp2')}), not a "
-            f"{type(topology).__name__} over a fixed number of ranks"
+            f"'topology' must be a name ({', '.join(names)}), not a {type(topology).__name__} over a fixed "
+            "number of ranks"
         )
+
+
+def _check_survivable(where: str, topology: object, allreduce_every: int, joining: bool) -> None:
+    """What ``on_peer_loss="continue"`` needs of the options (module docstring)."""
+    check_survivable_topology(where, topology, (n for n in TOPOLOGIES if n != "inner-outer-exp2"))
     if topology == "inner-outer-exp2":
         raise InvalidArgumentError(
             f"{where}: on_peer_loss='continue' cannot rebuild option 'topology'={topology!r} over the "
@@ -329,7 +335,7 @@ class HierarchicalATCStrategy(DecentralStrategy):
         self.neighbor_is_global = ctx.machine_size == 1
 
 
-class _WrapperStrategy(Strategy):
+class WrapperStrategy(Strategy):
     """A strategy around a wrapper whose communication needs no per-step settings. ``accumulate=J``: the
     wrapper communicates once per ``period * J`` passes (it counts them), the strategy steps every J."""
 
@@ -359,7 +365,7 @@ class _WrapperStrategy(Strategy):
 
 
 @register_strategy("gradient-allreduce", "Gradients averaged by per-layer allreduce from backward hooks")
-class GradientAllreduceStrategy(_WrapperStrategy):
+class GradientAllreduceStrategy(WrapperStrategy):
     name = "gradient-allreduce"
 
     def finish_gradients(self) -> None:
@@ -370,36 +376,6 @@ class GradientAllreduceStrategy(_WrapperStrategy):
         super().__init__(model, GradientAllreduceOptimizer(model, make_optimizer, group=group), group)
 
 
-@register_strategy(
-    "winput",
-    "BlueFog asynchronous win_put: put to neighbors in forward, combine arrivals, local step",
-    Options({"topology": topology_option(STATIC_TOPOLOGIES, dynamic=False), "period": _PERIOD}),
-)
-class WinPutStrategy(_WrapperStrategy):
-    name = "winput"
-
-    def __init__(
-        self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = "exp2",
-        period: int = 1,
-    ) -> None:  # fmt: skip
-        where = f"{type(self).__name__}"
-        h = period
-        topo = build_topology(where, topology, STATIC_TOPOLOGIES, group.size, 1, dynamic=False)
-        assert isinstance(topo, Topology)
-        opt = WinPutOptimizer(
-            model, make_optimizer, topology=topo, num_steps_per_communication=h, group=group
-        )
-        super().__init__(model, opt, group)
-        self.topology_name, self.period = topology_label(topology), h
-
-        self.winput = opt
-
-    def in_sync(self) -> bool:
-        return self.group.size == 1
-
-    def hparams(self) -> dict[str, Any]:
-        return {"topology": self.topology_name, "period": self.period}
-
-    def close(self) -> None:
-        """Free the windows (collective)."""
-        self.winput.close()
+# winput's strategy builds on the wrapper above and registers itself in its own module; imported here, at
+# the end, so that importing this module (or lowband.strategies, which imports it) registers it too
+from lowband.decentral import winput_strategy as _winput  # noqa: E402, F401

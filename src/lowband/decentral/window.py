@@ -54,6 +54,8 @@ Consistency model
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from lowband.comm import validate
@@ -71,7 +73,14 @@ from lowband.decentral.window_ops import (
     win_wait,
 )
 from lowband.decentral.window_protocol import check_flag
-from lowband.decentral.window_service import WindowRecord, lookup, registry, service_for, where
+from lowband.decentral.window_service import (
+    WindowRecord,
+    WindowService,
+    lookup,
+    registry,
+    service_for,
+    where,
+)
 from lowband.decentral.window_state import (
     get_win_version,
     win_load_state_dict,
@@ -79,9 +88,10 @@ from lowband.decentral.window_state import (
     win_update,
     win_update_then_collect,
 )
-from lowband.errors import InvalidArgumentError
+from lowband.errors import CommTimeoutError, InvalidArgumentError
 from lowband.group import Group
-from lowband.runtime import current, world_group
+from lowband.runtime import current, destroy_group, world_group
+from lowband.teardown import break_group
 from lowband.topology import Topology
 
 Tensor = torch.Tensor
@@ -199,6 +209,44 @@ def win_free(name: str | None = None) -> bool:
     return True
 
 
+def win_abandon(names: Sequence[str], *, timeout: float) -> None:
+    """Give up windows ``names`` on this rank alone, with no collective (a peer is lost: ``win_free``'s
+    barrier would wait for it; :mod:`lowband.decentral.winput_strategy`). A local step: this rank's
+    connections of their groups' window process groups are closed (:func:`lowband.teardown.break_group`),
+    so every receive pending on them ends at once, here and at the peers (whose next operation toward this
+    rank fails: they notice the loss too); this rank's receivers for those groups are joined (at most
+    ``timeout`` seconds each, else :class:`CommTimeoutError`), its operations in flight are forgotten
+    (their handles fail), and the windows and their groups' services are dropped. What the windows'
+    buffers held is lost. Names not on this rank are skipped. Other windows of the same groups stop
+    receiving too (their service's connections are closed): give every window of a group that lost a
+    peer."""
+    op = "win_abandon"
+    ctx = current(op)
+    reg = registry(ctx)
+    services: dict[int, WindowService] = {}
+    for n in names:
+        entry = reg.by_name.pop(n, None)
+        if entry is not None:
+            entry[0].drop(entry[1].wid)
+            services[id(entry[0])] = entry[0]
+    for svc in services.values():
+        svc.stopping = True  # (set first: a receiver whose receive fails now ends without an error)
+        if svc.group.size > 1:
+            break_group(svc.channel.group)
+        for p, t in svc.receivers.items():
+            t.join(timeout)
+            if t.is_alive():
+                raise CommTimeoutError(
+                    f"{where(op, ctx)}: the window receiver for rank {p} did not stop within {timeout:g} s"
+                )
+        svc.receivers.clear()
+        svc.pending = []
+        if not svc.windows:
+            reg.services = {k: v for k, v in reg.services.items() if v[1] is not svc}
+            if svc.group.size > 1:
+                destroy_group(svc.channel.group)
+
+
 def window_names() -> list[str]:
     """Names of this rank's windows, in creation order."""
     return list(registry(current("window_names")).by_name)
@@ -206,6 +254,7 @@ def window_names() -> list[str]:
 
 __all__ = [
     "get_win_version",
+    "win_abandon",
     "win_accumulate",
     "win_accumulate_nonblocking",
     "win_create",

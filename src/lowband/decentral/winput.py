@@ -11,17 +11,25 @@ with the local gradient (computed at the pre-combination parameters): ``x <- W x
 before the J-th forward is a local step. No rank ever waits for a neighbor to reach some step: a slow
 or sleeping neighbor just contributes its last value. :meth:`~WinPutOptimizer.close` frees the windows
 (collective).
+
+Under ``on_peer_loss="continue"`` (:mod:`lowband.decentral.winput_strategy`, :attr:`~WinPutOptimizer.survival`
+set) a put that fails, or a window call that meets the service's record of a lost neighbor, never raises:
+the strategy is told (it notices the loss), and :meth:`~WinPutOptimizer.abandon` gives up the windows on
+this rank alone (:func:`~lowband.decentral.window.win_abandon`: no collective, and every peer's next
+operation toward this rank fails, so it notices too). From then on nothing is put and nothing combined
+(local steps) until :meth:`~WinPutOptimizer.regroup` registers the windows again over the members.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lowband.comm.handle import Handle
+from lowband.decentral.combine import Guarded, Pending
 from lowband.decentral.knobs import (
     Knob,
     check_bool,
@@ -32,6 +40,7 @@ from lowband.decentral.knobs import (
 )
 from lowband.decentral.optim_base import WrapperBase
 from lowband.decentral.window import (
+    win_abandon,
     win_create,
     win_free,
     win_load_state_dict,
@@ -39,12 +48,18 @@ from lowband.decentral.window import (
     win_state_dict,
     win_update,
 )
-from lowband.errors import InvalidArgumentError
+from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.layerwise import OptimizerFactory
+from lowband.optim.pending import Survival, Waitable
 from lowband.topology import Topology
 
 _COUNTER_KEY = "lowband.decentral.winput"
+_LOST = (CommFailedError, CommTimeoutError)
+
+
+def _no_result(_results: list[Any]) -> list[Any]:
+    return []
 
 
 class WinPutOptimizer(WrapperBase):
@@ -86,9 +101,15 @@ class WinPutOptimizer(WrapperBase):
         self.windows = [(f"winput{k}.{name}.{j}", p) for name, ps in layers for j, p in enumerate(ps)]
         for wname, p in self.windows:
             win_create(p.detach(), wname, topology=topology, group=self.group)
-        self._puts: list[Handle[bool]] = []
-        self._combining = False  # puts launched by a forward, not yet combined
+        #: this rank's puts in flight (under ``survival``: each :class:`Guarded`, whose wait gives None
+        #: once it failed and was survived)
+        self._puts: list[Waitable[Any]] = []
+        self._combining = False  # the J-th forward since the last communication passed, not yet combined
         self._open = True
+        #: under ``on_peer_loss="continue"``: how a failed put or window call is survived (None: it raises)
+        self.survival: Survival | None = None
+        #: a lost peer noticed (:meth:`abandon`): no windows, nothing put or combined until :meth:`regroup`
+        self.alone = False
         self.count_forwards()
         self._hooks.append(self.model.register_forward_hook(self._after_forward))
 
@@ -99,11 +120,24 @@ class WinPutOptimizer(WrapperBase):
         if self.forwards < self.num_steps_per_communication:
             return
         self._combining = True
+        if self.alone:
+            return  # a lost peer noticed: this communication is dropped (a local step)
         mutex = self.require_mutex
-        for wname, p in self.windows:
-            self._puts.append(
-                win_put_nonblocking(p.detach(), wname, dst_weights=self.dst_weights, require_mutex=mutex)
-            )
+        survival = self.survival
+        if survival is None:
+            for wname, p in self.windows:
+                self._puts.append(
+                    win_put_nonblocking(p.detach(), wname, dst_weights=self.dst_weights, require_mutex=mutex)
+                )
+            return
+        for i, (wname, p) in enumerate(self.windows):
+            launched = time.monotonic()
+            try:
+                h = win_put_nonblocking(p.detach(), wname, dst_weights=self.dst_weights, require_mutex=mutex)
+            except _LOST as exc:  # the service lost a neighbor: told at this rank's next window call
+                survival.lost(exc, i, launched)
+                return
+            self._puts.append(Guarded(Pending([h], _no_result), i, survival))
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """:meth:`synchronize` (after the J-th forward: wait for this rank's puts and combine what has
@@ -119,9 +153,14 @@ class WinPutOptimizer(WrapperBase):
 
     def wait_puts(self) -> None:
         """Wait until this rank's puts in flight have been applied at their destinations."""
-        puts, self._puts = self._puts, []
-        for h in puts:
-            h.wait()
+        if self.survival is None:
+            puts, self._puts = self._puts, []
+            for h in puts:
+                h.wait()
+            return
+        while self._puts:
+            if self._puts.pop(0).wait() is None:
+                return  # failed and survived: the loss was noticed (abandon forgot the other puts)
 
     def synchronize(self) -> None:
         """After the J-th forward: wait for this rank's puts, then replace every parameter by the
@@ -130,10 +169,45 @@ class WinPutOptimizer(WrapperBase):
         if not self._combining:
             return
         self.wait_puts()
-        for wname, _ in self.windows:
-            win_update(wname, self_weight=self.self_weight, src_weights=self.src_weights, require_mutex=True)
+        if not self.alone:
+            self._combine()
         self.forwards = 0
         self._combining = False
+
+    def _combine(self) -> None:
+        """Every window's :func:`win_update`; under :attr:`survival`, a window call meeting a lost peer is
+        noticed and the windows not combined yet keep their values (each window is one parameter)."""
+        sw, src = self.self_weight, self.src_weights
+        for i, (wname, _) in enumerate(self.windows):
+            began = time.monotonic()
+            try:
+                win_update(wname, self_weight=sw, src_weights=src, require_mutex=True)
+            except _LOST as exc:
+                if self.survival is None:
+                    raise
+                self.survival.lost(exc, i, began)
+                return
+
+    # -- a lost peer (on_peer_loss="continue", lowband.decentral.winput_strategy) ----------------------
+    def abandon(self) -> None:
+        """A lost peer was noticed: give up the windows on this rank alone (:func:`win_abandon`: no
+        collective; every put in flight ends), forget the puts, and put and combine nothing until
+        :meth:`regroup` (the current communication, if any, is dropped: a local step)."""
+        self.alone = True
+        self._puts = []
+        win_abandon([wname for wname, _ in self.windows], timeout=self.ctx.config.timeout)
+
+    def regroup(self, group: Group, topology: Topology) -> None:
+        """Put and combine over ``group`` (the members after a membership change) with ``topology`` (over
+        its ranks): the windows are registered again (collective over ``group``), each buffer a copy of
+        this rank's parameter as it is now, as at construction: until a neighbor's first put arrives, its
+        share of a combination is this rank's own value."""
+        win_abandon([wname for wname, _ in self.windows], timeout=self.ctx.config.timeout)
+        self._puts = []
+        self.group = group
+        for wname, p in self.windows:
+            win_create(p.detach(), wname, topology=topology, group=group)
+        self.alone = False
 
     def counters(self) -> dict[str, Any]:
         return {**super().counters(), "forwards": self.forwards}
@@ -144,11 +218,20 @@ class WinPutOptimizer(WrapperBase):
 
     def state_dict(self) -> dict[str, Any]:
         """Inner state, counters, and every window's buffers (the neighbors' last values) and versions."""
+        self._check_windows("state_dict")
         out = super().state_dict()
         out["windows"] = [win_state_dict(wname) for wname, _ in self.windows]
         return out
 
+    def _check_windows(self, what: str) -> None:
+        if self.alone:
+            raise InvalidArgumentError(
+                f"{self.where}: {what} between a lost peer's notice and the members' meeting: the windows "
+                "are registered again there (after the step in which the members meet)"
+            )
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._check_windows("load_state_dict")
         super().load_state_dict(state_dict)
         windows = state_dict.get("windows")
         if not isinstance(windows, list) or len(windows) != len(self.windows):
@@ -165,6 +248,9 @@ class WinPutOptimizer(WrapperBase):
             self.wait_puts()
             self._combining = False
             self.remove_hooks()
-            for wname, _ in self.windows:
-                win_free(wname)
+            if self.alone:  # (after a lost peer, before a meeting: given up on this rank alone already)
+                win_abandon([wname for wname, _ in self.windows], timeout=self.ctx.config.timeout)
+            else:
+                for wname, _ in self.windows:
+                    win_free(wname)
             self._open = False

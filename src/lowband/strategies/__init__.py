@@ -6,7 +6,7 @@ compressor through any transport on the gradient stage). Each paper's system reg
 from its own package the same way.
 """
 
-from lowband.decentral import strategies as _decentral  # noqa: F401  (registers atc, awc, hierarchical-atc, winput, gradient-allreduce)
+from lowband.decentral import strategies as _decentral  # noqa: F401  (registers atc, awc, hierarchical-atc, gradient-allreduce, winput)
 from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers "dreamddp", "plsgd-enp", "flsgd-overlap")
 from lowband.strategies import compressed as _compressed  # noqa: F401  (registers "compressed")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")

@@ -4,8 +4,8 @@
 :class:`~lowband.errors.CommTimeoutError`) naming the strategy and the rank, as every strategy does.
 
 ``on_peer_loss="continue"`` (``localsgd``; ``diloco`` with ``inner=local``): the survivors go on. (The
-strategies that communicate at every step, ``dreamddp`` and its variants, ``atc`` and ``awc``, meet
-between steps instead of redoing one exchange: :mod:`lowband.strategies.peer_steps`.)
+strategies that communicate at every step, ``dreamddp`` and its variants, ``atc``, ``awc`` and
+``winput``, meet between steps instead of redoing one exchange: :mod:`lowband.strategies.peer_steps`.)
 
 - *Noticed*: by the heartbeat (below) while the survivors compute, at the next exchange (the averaging
   fails: a dead process's connections close at once), or at a read of the asynchronous non-finite
