@@ -182,6 +182,7 @@ class DecentralStrategy(Strategy):
 
     def close(self) -> None:
         self.optimizer.remove_hooks()
+        super().close()  # (atc, awc: marks this rank done for the heartbeat)
 
 
 class _NeighborStrategy(DecentralStrategy, StepwisePeerLoss):
