@@ -9,81 +9,18 @@ sockets).
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from test_peer_steps import COMM_TIMEOUT, LR, _loss, _model, _train
 
 import lowband
-from lowband.errors import CommFailedError, CommTimeoutError, InvalidArgumentError
+from lowband.errors import InvalidArgumentError
 from lowband.strategies import make_strategy
-from lowband.strategies.peer_steps import StepwisePeerLoss
 from lowband.testing import run_processes
 from lowband.topology import DynamicTopology, Topology
 from lowband.topology.names import TOPOLOGIES, build_topology
-
-COMM_TIMEOUT = 10.0
-LR = 0.1
-
-
-def _model() -> nn.Sequential:
-    g = torch.Generator().manual_seed(7)
-    m = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 1)).double()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
-    return m
-
-
-def _loss(m: nn.Module, r: int, k: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * r + k)
-    x, y = (
-        torch.randn(8, 5, generator=g, dtype=torch.float64),
-        torch.randn(8, 1, generator=g, dtype=torch.float64),
-    )
-    out: torch.Tensor = ((m(x) - y) ** 2).mean()
-    return out
-
-
-def _train(
-    name: str,
-    topology: str,
-    steps: int,
-    victim: int | None,
-    kill: int,
-    alarm: int | None,
-    out: str,
-    nonfinite: str = "raise",
-) -> Any:
-    """``steps`` seeded steps; ``victim`` kills itself (SIGKILL) before step ``kill``, after its
-    combinations in flight completed; ``alarm``: that rank takes the others for lost before step ``kill``."""
-    r = lowband.rank()
-    s = make_strategy(
-        name, _model(), lambda ps: torch.optim.SGD(ps, lr=LR), topology=topology, on_peer_loss="continue",
-        on_nonfinite=nonfinite,
-    )  # fmt: skip
-    try:
-        for k in range(steps):
-            if k == kill and r in (victim, alarm):
-                s.synchronize()
-                time.sleep(0.5)  # (the others' ends of these combinations complete too)
-                if r == victim:
-                    Path(out, f"killed-{r}").write_text(repr(time.time()))
-                    os.kill(os.getpid(), 9)
-                assert isinstance(s, StepwisePeerLoss)
-                s.notice(CommFailedError("a test's false alarm"), "a test", time.monotonic())
-            s.train_step(lambda m, k=k: _loss(m, r, k))  # type: ignore[misc]
-    except (CommFailedError, CommTimeoutError) as exc:
-        return {"error": type(exc).__name__, "message": str(exc)}
-    s.synchronize()
-    params = [p.detach().clone() for p in s.local_module.parameters()]
-    report = s.report()
-    s.close()
-    return {"params": params, "report": report, "ranks": s.group.ranks, "steps": s.steps}
 
 
 def _mix(topo: Topology, values: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
@@ -158,7 +95,7 @@ def test_survivors_train_on_without_the_killed_rank(
 ) -> None:
     steps = 11
     out = run_processes(
-        _train, n, name, topology, steps, victim, kill, None, str(tmp_path),
+        _train, n, name, {"topology": topology}, steps, victim, kill, None, str(tmp_path),
         timeout=50, comm_timeout=COMM_TIMEOUT, allow_exit=(victim,),
     )  # fmt: skip
     survivors = [r for r in range(n) if r != victim]
@@ -189,7 +126,7 @@ def test_a_survivor_that_noticed_first(name: str, quiet: tuple[int, ...], tmp_pa
     would make all notice at step 4.)"""
     n, steps, alarm = 3, 10, 1
     out = run_processes(
-        _train, n, name, "full", steps, None, 4, alarm, str(tmp_path), "off",
+        _train, n, name, {"topology": "full", "on_nonfinite": "off"}, steps, None, 4, alarm, str(tmp_path),
         timeout=50, comm_timeout=COMM_TIMEOUT,
     )  # fmt: skip
     last = quiet[-1] + 1

@@ -52,25 +52,24 @@ def _loss(m: nn.Module, r: int, k: int) -> torch.Tensor:
 
 def _train(
     name: str,
+    opts: dict[str, Any],
     steps: int,
     victim: int | None,
     kill: int,
     alarm: int | None,
     out: str,
-    nonfinite: str = "raise",
 ) -> Any:
-    """``steps`` seeded steps; ``victim`` kills itself (SIGKILL) before step ``kill``, after its averagings
-    in flight completed; ``alarm``: that rank takes the others for lost before step ``kill`` instead."""
+    """``steps`` seeded steps of strategy ``name`` (options ``opts``, ``on_peer_loss="continue"``; also the
+    decentralized ones' test); ``victim`` kills itself (SIGKILL) before step ``kill``, after its
+    communication in flight completed; ``alarm``: that rank takes the others for lost before step ``kill``
+    instead."""
     r = lowband.rank()
-    s = make_strategy(
-        name, _model(), lambda ps: torch.optim.SGD(ps, lr=LR), schedule=SCHEDULE, on_peer_loss="continue",
-        on_nonfinite=nonfinite,
-    )  # fmt: skip
+    s = make_strategy(name, _model(), lambda ps: torch.optim.SGD(ps, lr=LR), on_peer_loss="continue", **opts)
     try:
         for k in range(steps):
             if k == kill and r in (victim, alarm):
                 s.synchronize()
-                time.sleep(0.5)  # (the others' ends of these averagings complete too)
+                time.sleep(0.5)  # (the others' ends of these operations complete too)
                 if r == victim:
                     Path(out, f"killed-{r}").write_text(repr(time.time()))
                     os.kill(os.getpid(), 9)
@@ -119,7 +118,7 @@ def test_survivors_train_on_without_the_killed_rank(
 ) -> None:
     steps = 11
     out = run_processes(
-        _train, n, name, steps, victim, kill, None, str(tmp_path),
+        _train, n, name, {"schedule": SCHEDULE}, steps, victim, kill, None, str(tmp_path),
         timeout=50, comm_timeout=COMM_TIMEOUT, allow_exit=(victim,),
     )  # fmt: skip
     survivors = [r for r in range(n) if r != victim]
@@ -146,7 +145,8 @@ def test_a_survivor_that_noticed_first_catches_up_alone(tmp_path: Path) -> None:
     non-finite agreement: its allreduce after every backward would make all notice at step 4.)"""
     n, steps, alarm = 3, 10, 1
     out = run_processes(
-        _train, n, "dreamddp", steps, None, 4, alarm, str(tmp_path), "off",
+        _train, n, "dreamddp", {"schedule": SCHEDULE, "on_nonfinite": "off"}, steps, None, 4, alarm,
+        str(tmp_path),
         timeout=50, comm_timeout=COMM_TIMEOUT,
     )  # fmt: skip
     for r in range(n):

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_decentral_peer_loss import COMM_TIMEOUT, LR, _loss, _model, _oracle
+from test_decentral_peer_loss import _oracle
+from test_peer_steps import COMM_TIMEOUT, LR, _loss, _model
 
 import lowband
 from lowband.decentral.window import win_state_dict
