@@ -244,7 +244,7 @@ class PartialSyncStrategy(ScheduledStrategy, StepwisePeerLoss):
             loss.backward()  # type: ignore[no-untyped-call]
             return
         units = self.schedule.layers_at(self.steps)
-        if units and self.steps % self.period == self._join_phase():
+        if self.peer_loss == "continue" and units and self.steps % self.period == self._join_phase():
             self.propose_joins(self.steps // self.period)  # (an exchange: peer_steps)
         # noticed a lost peer: train alone until the members meet (peer_steps)
         self.averager.begin(self.steps, units if self.membership_settled() else ())
