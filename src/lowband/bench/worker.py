@@ -39,6 +39,7 @@ from lowband.bench.precision import autocast_loss, check_model_device, grad_scal
 from lowband.bench.workloads import Workload, get_workload
 from lowband.errors import InvalidArgumentError
 from lowband.strategies import Strategy, make_strategy, parse_strategy_spec
+from lowband.strategies.registry import wants_probe
 from lowband.testbed import read_iface_bytes
 
 COMPUTE = "compute-only"
@@ -211,6 +212,9 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
             strat: Strategy = ComputeOnly(model, make_opt(model.parameters()), lowband.world())
         else:
             name, options = parse_strategy_spec(spec)
+            if wants_probe(name, options):  # auto profiles the model on the workload's first batch
+                probe_batch = next(iter(wl.batches(r, n, bs, cfg.seed)))
+                options["probe"] = lambda m, b=probe_batch: wl.loss(m, b)
             strat = make_strategy(name, model, make_opt, **options)
         scaler = grad_scaler(dev, cfg.precision)
         if scaler is not None:

@@ -16,6 +16,7 @@ and the cost of the operations strategies put on the critical path.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -23,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from lowband.errors import InvalidArgumentError
+from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile, LayerCost
 from lowband.optim.layerwise import parameter_layers
 
@@ -144,8 +147,34 @@ class PlanProfile:
             "compute_scale": self.ops.scale,
             "parameter_bytes": self.total_bytes,
             "layers": [lc.to_json() for lc in self.cost.layers],
+            "shapes": [[list(sh) for sh in layer] for layer in self.shapes],
+            "elem_sizes": list(self.elem_sizes),
             "operations": self.ops.to_json(),
         }
+
+    @classmethod
+    def from_json(cls, d: Any, where: str = "PlanProfile.from_json") -> PlanProfile:
+        """The profile :meth:`to_json` wrote (``lowband plan``'s ``plan.json`` holds it as ``profile``);
+        the operations are measured again when asked (their costs are this machine's)."""
+        try:
+            layers = tuple(LayerCost.from_json(x) for x in d["layers"])
+            shapes = tuple(tuple(tuple(int(v) for v in sh) for sh in layer) for layer in d["shapes"])
+            elem = tuple(int(v) for v in d["elem_sizes"])
+            out = cls(
+                workload=str(d["workload"]), batch_size=int(d["batch_size"]),
+                cost=CostProfile(layers, 0.0, 0.0), shapes=shapes, elem_sizes=elem,
+                step_s=float(d["step_ms"]) / 1e3, ops=OpCosts(scale=float(d.get("compute_scale", 1.0))),
+            )  # fmt: skip
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgumentError(
+                f"{where}: not a plan profile (lowband plan's plan.json 'profile', written by this "
+                f"version): {e!r}"
+            ) from None
+        if not (len(shapes) == len(elem) == len(layers)):
+            raise InvalidArgumentError(
+                f"{where}: the profile's layers, shapes and element sizes differ in number"
+            )
+        return out
 
 
 def scaled(cost: CostProfile, factor: float) -> CostProfile:
@@ -168,7 +197,6 @@ def measure_profile(
     """Profile ``workload`` (a registered name or ``module:factory``) in this process (module doc)."""
     import lowband
     from lowband.bench.workloads import get_workload
-    from lowband.localsgd.profiler import profile_model
     from lowband.runtime import is_initialized
 
     if not compute_scale >= 1.0:
@@ -179,19 +207,49 @@ def measure_profile(
     bs = batch_size or w.default_batch_size
     model = w.build_model(seed=seed)
     batch = next(iter(w.batches(0, 1, bs, seed)))
-    layers = parameter_layers(model)
-    say("profiling the layers")
     started = is_initialized()
     if not started:
         lowband.init()  # a world of one: the profiler's collectives are no-ops
     try:
-        cost = profile_model(model, lambda m: w.loss(m, batch), repeats=repeats, interference=False)
+        return profile_module(
+            model, lambda m: w.loss(m, batch), w.make_optimizer, name=workload, batch_size=bs,
+            compute_scale=compute_scale, repeats=repeats, progress=say, own_model=True,
+        )  # fmt: skip
     finally:
         if not started:
             lowband.shutdown()
+
+
+def profile_module(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    *,
+    name: str,
+    batch_size: int,
+    group: Group | None = None,
+    compute_scale: float = 1.0,
+    repeats: int = 5,
+    progress: Callable[[str], None] | None = None,
+    own_model: bool = False,
+) -> PlanProfile:
+    """The plan profile of ``model`` on the batch of ``loss_fn`` (module doc). Every rank of ``group``
+    calls it: the layer times are the slowest rank's (:func:`~lowband.localsgd.profiler.profile_model`),
+    the link fit is dropped (the planner's links come from elsewhere). The model is left unchanged: the
+    optimizer step is timed on a copy of it unless ``own_model`` (a model made for profiling only)."""
+    from lowband.localsgd.profiler import profile_model
+
+    say = progress or (lambda _: None)
+    say("profiling the layers")
+    layers = parameter_layers(model)
+    cost = profile_model(model, loss_fn, group=group, repeats=repeats, interference=False)
+    cost = CostProfile(
+        tuple(LayerCost(lc.name, lc.fwd, lc.bwd, 0.0, lc.nbytes) for lc in cost.layers), 0.0, 0.0
+    )
     say("timing the optimizer step")
-    opt = w.make_optimizer(model.parameters())
-    w.loss(model, batch).backward()  # type: ignore[no-untyped-call]
+    timed = model if own_model else copy.deepcopy(model)
+    opt = make_optimizer(timed.parameters())
+    loss_fn(timed).backward()  # type: ignore[no-untyped-call]
     step_s = median_seconds(opt.step, repeats=repeats)
     by_name = dict(layers)
     shapes = tuple(tuple(tuple(p.shape) for p in by_name[lc.name]) for lc in cost.layers)
@@ -200,8 +258,8 @@ def measure_profile(
         for lc in cost.layers
     )
     return PlanProfile(
-        workload=workload,
-        batch_size=bs,
+        workload=name,
+        batch_size=batch_size,
         cost=scaled(cost, compute_scale),
         shapes=shapes,
         elem_sizes=elem,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -87,6 +87,13 @@ def describe_strategies() -> dict[str, str]:
 def parse_strategy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """``"localsgd:period=5"`` -> ``("localsgd", {"period": 5})`` (values parsed as int, float, bool or str)."""
     return parse_spec(spec, "strategy")
+
+
+def wants_probe(name: str, options: Mapping[str, Any]) -> bool:
+    """Whether strategy ``name`` takes a ``probe`` (a loss on one batch, to profile the model: ``auto``)
+    that ``options`` does not give, nor a ``profile`` instead."""
+    known = STRATEGIES.options(name).names() if name in STRATEGIES else []
+    return "probe" in known and options.get("probe") is None and options.get("profile") is None
 
 
 def check_model_device(where: str, model: nn.Module, device: torch.device) -> None:
