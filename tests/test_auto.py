@@ -135,6 +135,39 @@ def test_convergence_limits_narrow_the_choice() -> None:
     assert {label for _, label, _ in got} == {f"auto({want})"}
 
 
+def _lazy(loop: bool) -> tuple[list[float], str, str]:
+    """No profile: the first training step profiles (its forward replayed, or train_step's loss)."""
+    r, n = lowband.rank(), lowband.size()
+    m = _model()
+    s = make_strategy("auto", m, _opt, links=Links(n, FAST), only=ONLY, drift=0.0)
+    assert s.label() == "auto(not chosen yet)"
+    with torch.no_grad():
+        s.module.eval()
+        s.module(torch.zeros(1, 6, dtype=torch.float64))  # evaluation before training chooses nothing
+        s.module.train()
+    assert s.inner is None
+    for k in range(6):
+        if loop:
+            s.zero_grad()
+            s.backward(_loss(s.module, r, k))
+            s.step()
+        else:
+            s.train_step(lambda mod, k=k: _loss(mod, r, k))
+    return _flat(m), s.label(), s.history[0]["why"]
+
+
+@pytest.mark.parametrize("loop", [True, False])
+def test_without_a_profile_the_first_step_chooses_on_every_rank_alike(loop: bool) -> None:
+    got = run_threads(_lazy, 3, loop, timeout=120)
+    labels = {label for _, label, _ in got}
+    assert len(labels) == 1
+    spec = labels.pop()[len("auto(") : -1]
+    name, options = parse_strategy_spec(spec)
+    direct = run_threads(_train, 3, name, options, 6, timeout=120)
+    for (pa, _, why), (pd, _, _) in zip(got, direct, strict=True):
+        assert pa == pd and why.startswith(spec)
+
+
 # -- switching ----------------------------------------------------------------------------------------
 
 
@@ -151,7 +184,6 @@ def _switch_from_local_steps() -> tuple[list[float], list[float], list[float], l
         [st["momentum_buffer"].reshape(-1) for st in auto_switch.base_optimizer(s.optimizer).state.values()]
     )
     carried = auto_switch.switch(s, "stage")
-    s.spec = "stage"
     after = _flat(m)
     mom2 = torch.cat(
         [st["momentum_buffer"].reshape(-1) for st in auto_switch.base_optimizer(s.optimizer).state.values()]
@@ -191,7 +223,8 @@ def _replan_and_resume() -> tuple[list[float], list[float], str, str, list[dict[
     for t in (s, s2):
         for k in range(3, 6):
             t.train_step(lambda mod, k=k: _loss(mod, r, k))
-    return _flat(m), _flat(m2), first, s2.spec, json.loads(json.dumps(s2.history))
+    assert [h["reason"] for h in s2.history] == ["resumed"]
+    return _flat(m), _flat(m2), first, s2.spec, json.loads(json.dumps(s.history))
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -250,6 +283,25 @@ def test_a_plan_json_profile_round_trips(tmp_path: Path) -> None:
         PlanProfile.from_json({"layers": []})
 
 
+def _saved_profile(path: str) -> tuple[str, bool, str]:
+    r, n = lowband.rank(), lowband.size()
+    opts = {"profile": path, "links": Links(n, FAST), "only": ONLY, "drift": 0.0}
+    s = make_strategy("auto", _model(), _opt, **opts)  # a missing file: measured at the first step, saved
+    s.train_step(lambda mod: _loss(mod, r, 0))
+    saved = Path(path).exists()
+    s2 = make_strategy("auto", _model(), _opt, **opts)  # read at construction: chosen before any step
+    return s.label(), saved, s2.label()
+
+
+def test_a_missing_profile_file_is_measured_and_saved_for_the_next_run(tmp_path: Path) -> None:
+    out = run_threads(_saved_profile, 2, str(tmp_path / "plan.json"), timeout=120)
+    for first, saved, second in out:
+        assert saved and first == second != "auto(not chosen yet)"
+    assert (
+        PlanProfile.from_json(json.loads((tmp_path / "plan.json").read_text())["profile"]).workload == "auto"
+    )
+
+
 def _build(opts: dict[str, Any]) -> None:
     make_strategy("auto", _model(), _opt, **opts)
 
@@ -257,9 +309,8 @@ def _build(opts: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("opts", "match"),
     [
-        ({}, "needs the model's profile"),
         ({"profile": "x.json", "probe": _loss}, "not both"),
-        ({"profile": "/nonexistent/plan.json"}, "cannot read the profile"),
+        ({"profile": __file__}, "cannot read the profile"),  # not JSON
         ({"only": "nope", "probe": _loss}, "only must be"),
         ({"only": "auto", "probe": _loss}, "only must be"),
         ({"check_every": 0, "probe": _loss}, "check_every"),

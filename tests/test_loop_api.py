@@ -32,6 +32,7 @@ from torch import nn
 
 import lowband
 from lowband.errors import InvalidArgumentError
+from lowband.plan.links import Links
 from lowband.strategies import make_strategy, strategy_names
 from lowband.strategies.checkpoint import rank_file, read_folder
 from lowband.strategies.registry import STRATEGIES
@@ -55,6 +56,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "compressed": {"compressor": "topk:ratio=0.2"},
     "embrace": {"schedule": "horizontal"},
     "diloco": {"inner_steps": 2},  # outer steps at 2 and 4: the outer momentum moves before RESUME_AT
+    "auto": {"only": "compressed|localsgd", "drift": 0.0},  # (profile and links: _options)
 }
 PARTIAL_SYNC = ("dreamddp", "plsgd-enp", "flsgd-overlap")
 #: more configurations of one strategy (``name/variant``): options and the optimizer's momentum
@@ -133,6 +135,8 @@ def _options(name: str, folder: str) -> dict[str, Any]:
     opts = dict(OPTIONS.get(name, {}))
     if name in PARTIAL_SYNC:  # measured by the first run (train_step), read by the others
         opts.update(period=2, trial_periods=0, profile=str(Path(folder) / f"{name}-profile.json"))
+    if name == "auto":  # the same: and links given, so every run predicts and chooses alike
+        opts.update(profile=str(Path(folder) / "auto-profile.json"), links=Links(lowband.size(), 1e9))
     return opts
 
 

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lowband.comm import collectives as comm
+from lowband.comm.agree import agree
 from lowband.comm.initial import broadcast_initial_state
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -48,7 +49,7 @@ from lowband.plan.links import Links
 from lowband.plan.planner import Acceptance
 from lowband.plan.profile import PlanProfile
 from lowband.strategies import auto_switch
-from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import STRATEGIES, register_strategy
 
 log = logging.getLogger("lowband.auto")
@@ -72,7 +73,8 @@ AUTO_OPTIONS = Options(
         ),
         "profile": Opt(
             str, objects=(Path, PlanProfile), what="a plan.json path",
-            doc="the model's profile, from lowband plan's plan.json (None: probe= profiles it here)",
+            doc="the model's profile: lowband plan's plan.json (a missing file: measured at the first step "
+            "and saved there; None: measured at the first step)",
         ),
         "probe": Opt(None, objects=(Callable,), doc="loss_fn(module) on one batch, to profile the model (Python)"),  # type: ignore[arg-type]
         "links": Opt(None, objects=(Links,), doc="the links (Python; None: measured on the group)"),
@@ -113,11 +115,6 @@ class AutoStrategy(Strategy):
         where = f"make_strategy('auto') on rank {group.rank}"
         if profile is not None and probe is not None:
             raise InvalidArgumentError(f"{where}: give profile= or probe=, not both")
-        if profile is None and probe is None:
-            raise InvalidArgumentError(
-                f"{where}: auto needs the model's profile: probe=loss_fn (a function of the module computing "
-                "the loss on one batch) or profile=PATH (the plan.json `lowband plan --out DIR` wrote)"
-            )
         self._where, self._make = where, make_optimizer
         self.accept = Acceptance(max_local_steps, max_compression, max_staleness)
         self.candidates = auto_switch.candidate_specs(only)
@@ -125,22 +122,72 @@ class AutoStrategy(Strategy):
         self._links_given = links
         self._nonfinite, self._accumulate = "raise", 1
         self._scaler: torch.amp.GradScaler | None = None
-        self.group, self.local_module = group, model  # (the base's __init__ sets them again below)
-        broadcast_initial_state(model, group=group, where=where)  # every rank profiles rank 0's model
-        t0 = time.perf_counter()
-        self.plan_profile = auto_switch.resolve_profile(profile, probe, model, make_optimizer, group, where)
-        self.links = links if links is not None else auto_switch.measure(group)
-        decision = auto_switch.choose(self, self.links, None, "start")
-        self.spec: str = decision["spec"]
-        self.history: list[dict[str, Any]] = [{**decision, "step": 0, "set_up_s": time.perf_counter() - t0}]
-        log.info("auto on rank %d: %s", group.rank, decision["why"])
-        self.inner: Strategy = self._build(self.spec)
-        super().__init__(model, self.inner.optimizer, group)
+        # until the choice is made (at the first training forward without profile= or probe=), a
+        # provisional optimizer stands for the chosen strategy's
+        super().__init__(model, make_optimizer(model.parameters()), group)
         self.watch = DriftWatch(drift) if drift > 0 else None
         self.check_every = check_every
         self._window: list[float] = []
         self._since = 0  # steps since the last (re)build
         self._t0: float | None = None
+        self.inner: Strategy | None = None
+        self.spec: str | None = None
+        self.plan_profile: PlanProfile | None = None
+        self.links: Links | None = None
+        self.history: list[dict[str, Any]] = []
+        self._first = auto_switch.FirstForward(self)
+        #: where the profile measured here is saved (profile=PATH of a missing file), as dreamddp does
+        self.profile_path: Path | None = None
+        if isinstance(profile, (str, Path)):
+            exists = Path(profile).exists()
+            agree(
+                group,
+                "whether the profile file exists",
+                [int(exists)],
+                where=f"{where}: profile={str(profile)!r}",
+            )
+            if not exists:
+                self.profile_path = Path(profile)
+                profile = None
+        #: seconds the choice took (profile, links, plan, build)
+        self.set_up_s = 0.0
+        broadcast_initial_state(model, group=group, where=where)  # every rank profiles rank 0's model
+        if profile is not None or probe is not None:
+            self._choose_first(profile, probe)
+
+    def _choose_first(
+        self, profile: str | Path | PlanProfile | None, probe: Callable[[nn.Module], torch.Tensor] | None
+    ) -> Strategy:
+        """Profile (or read the profile), measure the links, choose and build (collective; module doc)."""
+        t0 = time.perf_counter()
+        g = self.group
+        self.plan_profile = auto_switch.resolve_profile(
+            profile, probe, self.local_module, self._make, g, self._where
+        )
+        self.links = self._links_given if self._links_given is not None else auto_switch.measure(g)
+        if self.profile_path is not None and g.rank == 0:
+            auto_switch.save_profile(self.plan_profile, self.profile_path)
+        decision = auto_switch.choose(self, self.links, None, "start")
+        self.history = [{**decision, "step": self.steps}]
+        log.info("auto on rank %d: %s", g.rank, decision["why"])
+        inner = self._install(decision["spec"])
+        self.set_up_s = time.perf_counter() - t0
+        return inner
+
+    def _install(self, spec: str) -> Strategy:
+        self.spec = spec
+        self.inner = self._build(spec)
+        self.optimizer = self.inner.optimizer
+        return self.inner
+
+    def chosen(self) -> Strategy:
+        """The chosen strategy; refused before the choice (a first training forward or train_step)."""
+        if self.inner is None:
+            raise InvalidArgumentError(
+                f"{self._where}: the strategy is chosen at the first training step (its first forward "
+                "profiles the model); train a step first, or give probe= or profile="
+            )
+        return self.inner
 
     # -- the chosen strategy ----------------------------------------------------------------------
     def _build(self, spec: str) -> Strategy:
@@ -160,7 +207,7 @@ class AutoStrategy(Strategy):
     def replan(self, reason: str, links: Links | None = None) -> bool:
         """Collective, between steps, every rank alike: re-measure the links (or take ``links``), re-plan
         and switch when another choice is predicted ``min_gain`` faster. Returns whether it switched."""
-        self.inner.synchronize()
+        self.chosen().synchronize()
         new_links = links or self._links_given or auto_switch.measure(self.group)
         decision = auto_switch.choose(self, new_links, self.spec, reason)
         self.links = new_links
@@ -172,7 +219,6 @@ class AutoStrategy(Strategy):
         log.info("auto on rank %d at step %d (%s): %s", self.group.rank, self.steps, reason, decision["why"])
         if switch:
             decision["carried"] = auto_switch.switch(self, decision["spec"])
-            self.spec = decision["spec"]
         self.history.append(decision)
         return switch
 
@@ -197,120 +243,150 @@ class AutoStrategy(Strategy):
     # -- the loop, forwarded ------------------------------------------------------------------------
     @property
     def module(self) -> nn.Module:
-        return self.inner.module
+        return self._first if self.inner is None else self.inner.module
 
     @property
     def syncing(self) -> bool:
-        return self.inner.syncing
+        return True if self.inner is None else self.inner.syncing
 
     def zero_grad(self) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
-        self.inner.zero_grad()
+        if self.inner is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.inner.zero_grad()
 
     def backward(self, loss: torch.Tensor, *, divided: bool = False) -> None:
-        self.inner.backward(loss, divided=divided)
+        self.chosen().backward(loss, divided=divided)
 
     def step(self) -> None:
-        before = self.inner.steps
-        self.inner.step()
-        if self.inner.steps == before:  # a micro-batch of an accumulating step
+        inner = self.chosen()
+        before = inner.steps
+        inner.step()
+        if inner.steps == before:  # a micro-batch of an accumulating step
             return
         self.steps += 1
         seconds = None if self._t0 is None else time.perf_counter() - self._t0
         self._t0 = None
         self._after(seconds)
 
+    def train_step(self, loss_fn: LossFn) -> float:
+        if self.inner is None:  # the first step's loss profiles the model
+            self._choose_first(None, loss_fn)
+        return super().train_step(loss_fn)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float | None:
-        return self.inner.clip_grad_norm_(max_norm, norm_type)
+        return self.chosen().clip_grad_norm_(max_norm, norm_type)
 
     def synchronize(self) -> None:
-        self.inner.synchronize()
+        if self.inner is not None:
+            self.inner.synchronize()
 
     def lookahead(self, ids: Mapping[str, torch.Tensor]) -> None:
-        self.inner.lookahead(ids)
+        if self.inner is not None:
+            self.inner.lookahead(ids)
 
     def side_collective(self, fn: Callable[[], Any], what: str, alone: Callable[[], Any]) -> Any:
-        return self.inner.side_collective(fn, what, alone)
+        return fn() if self.inner is None else self.inner.side_collective(fn, what, alone)
 
     def membership_settled(self) -> bool:
-        return self.inner.membership_settled()
+        return True if self.inner is None else self.inner.membership_settled()
 
     def in_sync(self) -> bool:
-        return self.inner.in_sync()
+        return True if self.inner is None else self.inner.in_sync()
 
     def replicated_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return self.inner.replicated_parameters()
+        return super().replicated_parameters() if self.inner is None else self.inner.replicated_parameters()
 
     def average_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.inner.average_state_dict()
+        return super().average_state_dict() if self.inner is None else self.inner.average_state_dict()
 
     def set_grad_scaler(self, scaler: torch.amp.GradScaler) -> None:
-        self.inner.set_grad_scaler(scaler)
+        if self.inner is not None:
+            self.inner.set_grad_scaler(scaler)
         self._scaler = scaler
 
     def set_nonfinite(self, policy: str) -> None:
-        self.inner.set_nonfinite(policy)
         self._nonfinite = policy
-        auto_switch.refresh_config(self, self.inner)
+        if self.inner is not None:
+            self.inner.set_nonfinite(policy)
+            auto_switch.refresh_config(self, self.inner)
 
     def set_accumulate(self, passes: int) -> None:
-        self.inner.set_accumulate(passes)
-        self._accumulate = passes
-        self.accumulate = passes
-        auto_switch.refresh_config(self, self.inner)
+        if self.inner is not None:
+            self.inner.set_accumulate(passes)
+        self._accumulate = self.accumulate = passes
+        if self.inner is not None:
+            auto_switch.refresh_config(self, self.inner)
 
     # -- reports and checkpoints ------------------------------------------------------------------
     def hparams(self) -> dict[str, Any]:
         return {"chosen": self.spec}
 
     def label(self) -> str:
-        return f"auto({self.spec})"
+        return f"auto({self.spec or 'not chosen yet'})"
 
     def report(self) -> dict[str, Any]:
-        inner = self.inner.report()
-        out = {
-            "auto": {
-                "chosen": self.spec,
-                "history": self.history,
-                "links": auto_switch.links_json(self.links),
-            },
-            "inner": inner,
-            "predicted_step_s": self.predicted["predicted_ms"] / 1e3,
+        links = None if self.links is None else auto_switch.links_json(self.links)
+        out: dict[str, Any] = {
+            "auto": {"chosen": self.spec, "history": self.history, "links": links, "set_up_s": self.set_up_s}
         }
+        if self.inner is not None:
+            out["inner"] = self.inner.report()
+            if "predicted_ms" in self.predicted:
+                out["predicted_step_s"] = self.predicted["predicted_ms"] / 1e3
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        """The choice and its state, the profile it was chosen on (a re-plan after a resume needs it) and the
+        drift watch; the history of decisions is the report's (their figures are this run's measurements)."""
+        out: dict[str, Any] = {
             "strategy": self.name,
             "steps": self.steps,
             "spec": self.spec,
-            "inner": self.inner.state_dict(),
             "auto": {
                 "since": self._since,
                 "watch": None if self.watch is None else self.watch.state(),
-                "history": json.dumps(self.history),
+                "local_steps": int(self.predicted.get("local_steps", 1)) if self.history else 1,
+                "profile": None if self.plan_profile is None else auto_switch.profile_text(self.plan_profile),
             },
         }
+        if self.inner is None:
+            out["model"] = self.local_module.state_dict()
+        else:
+            out["inner"] = self.inner.state_dict()
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Collective: the saved choice is built (every rank alike; no profiling) before its state loads."""
         if state.get("strategy") != self.name or "spec" not in state:
             raise InvalidArgumentError(
                 f"AutoStrategy.load_state_dict on rank {self.group.rank}: checkpoint is for strategy "
                 f"{state.get('strategy')!r}, not 'auto'"
             )
-        spec = str(state["spec"])
-        if spec != self.spec:  # the saved choice, built before its state loads (every rank alike)
-            auto_switch.replace(self, spec)
-            self.spec = spec
-        self.inner.load_state_dict(state["inner"])
-        self.steps = int(state["steps"])
+        spec = state["spec"]
         extra = state.get("auto", {})
+        if spec is None:  # saved before the first step
+            self.local_module.load_state_dict(state["model"])
+        else:
+            if spec != self.spec:
+                if self.inner is not None:
+                    self.inner.close()
+                self._install(str(spec))
+            self.chosen().load_state_dict(state["inner"])
+        if extra.get("profile") is not None:
+            self.plan_profile = PlanProfile.from_json(json.loads(extra["profile"]), self._where)
+        self.steps = int(state["steps"])
         self._since, self._window, self._t0 = int(extra.get("since", 0)), [], None
         if self.watch is not None and extra.get("watch") is not None:
             self.watch.load(extra["watch"])
-        if "history" in extra:
-            self.history = json.loads(extra["history"])
+        if spec is not None:  # the decisions' figures were this run's measurements: not carried over
+            self.history = [
+                {"reason": "resumed", "spec": spec, "step": self.steps, "why": f"{spec}: resumed from a checkpoint",
+                 "local_steps": int(extra.get("local_steps", 1))}
+            ]  # fmt: skip
 
     def close(self) -> None:
-        self.inner.close()
+        if self.inner is not None:
+            self.inner.close()

@@ -4,19 +4,20 @@
   its text (one exchange), so every rank builds the same strategy even though each rank's timing of the
   compressors would differ. A candidate only replaces the current choice when predicted ``min_gain``
   faster than it on the same links (switching costs a consensus and a rebuild).
+- :class:`FirstForward`: the module a loop calls before the choice (the first training forward chooses).
 - :func:`switch`: between steps, every rank alike. The current strategy finishes what is in flight;
   its consensus model (:meth:`~lowband.strategies.Strategy.average_state_dict`: the replicas averaged
   when they differ, as after local steps) is loaded into the model, the optimizer's state is averaged
   over the ranks and carried into the new strategy's optimizer when that holds the same parameters in
   the same groups (else it starts fresh, and the report says so); state that belongs to the old
   strategy's method (error-feedback residuals, outer momenta, schedules) ends with it and is listed.
-- :func:`replace`: the same without consensus (a checkpoint's choice, whose state is loaded next).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from lowband.plan.links import Links
 from lowband.plan.planner import default_specs, make_plan, recommend
 from lowband.plan.profile import PlanProfile, profile_module
 from lowband.strategies.base import OptimizerFactory, Strategy
+from lowband.strategies.replay import output_loss
 
 if TYPE_CHECKING:
     from lowband.strategies.auto import AutoStrategy
@@ -73,6 +75,18 @@ def resolve_profile(
     return profile_module(model, probe, make_optimizer, name="auto", batch_size=0, group=group)
 
 
+def profile_text(profile: PlanProfile) -> str:
+    """``profile`` as JSON, without its operations (they are this machine's, measured when asked)."""
+    return json.dumps({k: v for k, v in profile.to_json().items() if k != "operations"})
+
+
+def save_profile(profile: PlanProfile, path: Path) -> None:
+    """``{"profile": ...}`` (what ``plan.json`` holds) written through a temporary file renamed into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"profile": json.loads(profile_text(profile))}, indent=1))
+    os.replace(tmp, path)
+
+
 def measure(group: Group) -> Links:
     """The group's links, measured (collective; identical on every rank)."""
     from lowband.localsgd.profiler import measure_comm
@@ -96,6 +110,8 @@ def links_json(links: Links) -> dict[str, Any]:
 
 def _decide(auto: AutoStrategy, links: Links, current: str | None, reason: str) -> dict[str, Any]:
     """Rank 0's decision (module doc), as a JSON-able dict."""
+    if auto.plan_profile is None:
+        raise InvalidArgumentError(f"{auto._where}: no profile to plan from")
     entries = make_plan(auto.candidates, auto.plan_profile, links)
     best = recommend(entries, auto.accept)
     if best is None:
@@ -188,6 +204,8 @@ def refresh_config(auto: AutoStrategy, inner: Strategy) -> None:
     from lowband.strategies.digest import strategy_config
     from lowband.strategies.registry import STRATEGIES, parse_strategy_spec
 
+    if auto.spec is None:
+        return
     name, options = parse_strategy_spec(auto.spec)
     common = {"on_nonfinite": auto._nonfinite, "accumulate": auto._accumulate}
     inner.agreed_config = strategy_config(
@@ -223,7 +241,7 @@ def _same_layout(a: dict[str, Any], b: torch.optim.Optimizer) -> bool:
 def switch(auto: AutoStrategy, spec: str) -> dict[str, Any]:
     """Replace the running strategy by ``spec`` with the consensus model and optimizer state (module doc;
     collective, every rank at the same step). Returns what was carried over and what ended."""
-    old = auto.inner
+    old = auto.chosen()
     old.synchronize()
     model_sd = old.average_state_dict()
     old_opt = base_optimizer(old.optimizer)
@@ -235,19 +253,37 @@ def switch(auto: AutoStrategy, spec: str) -> dict[str, Any]:
     ended = sorted(k for k, v in old.extra_state().items() if v not in (None, {}, []))
     old.close()
     auto.local_module.load_state_dict(model_sd)
-    new = auto._build(spec)
+    new = auto._install(spec)
     new_opt = base_optimizer(new.optimizer)
     carried = (
         standard and type(new_opt) is opt_type and _same_layout(opt_sd, new_opt) and bool(opt_sd["state"])
     )
     if carried:
         new_opt.load_state_dict(opt_sd)
-    auto.inner, auto.optimizer = new, new.optimizer
     return {"model": "consensus", "optimizer_state": "averaged" if carried else "fresh", "ended": ended}
 
 
-def replace(auto: AutoStrategy, spec: str) -> None:
-    """Replace the running strategy by ``spec`` as built (collective; its state is loaded next)."""
-    auto.inner.close()
-    auto.inner = auto._build(spec)
-    auto.optimizer = auto.inner.optimizer
+class FirstForward(nn.Module):
+    """What ``auto``'s :attr:`~AutoStrategy.module` is until the choice: the model (as ``module``, as
+    DDP's wrapper holds it). Its first training forward (gradients on, the model in training mode)
+    profiles the model on a replay of itself (:func:`lowband.strategies.replay.output_loss`), chooses
+    and builds the strategy, then runs through the chosen strategy's module; every forward after that,
+    and any forward through a reference kept to this module, goes to the chosen strategy's module."""
+
+    def __init__(self, auto: AutoStrategy) -> None:
+        super().__init__()
+        self.module = auto.local_module
+        self._auto = [auto]  # a list: not registered as a submodule, no reference cycle through modules
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        auto = self._auto[0]
+        if auto.inner is None:
+            if not (torch.is_grad_enabled() and self.module.training):
+                return self.module(*args, **kwargs)  # evaluation before training: the plain model
+            where = auto._where
+
+            def replay(m: nn.Module) -> torch.Tensor:
+                return output_loss(m(*args, **kwargs), where)
+
+            auto._choose_first(None, replay)
+        return auto.chosen().module(*args, **kwargs)
