@@ -12,8 +12,6 @@ Quick use::
     s.layers_at(step)                        # layers to average at global step `step`
 """
 
-from typing import TYPE_CHECKING, Any
-
 from lowband.localsgd.algorithm2 import (
     count_dreamddp_solutions,
     dreamddp_sets,
@@ -58,23 +56,8 @@ from lowband.localsgd.schedulers import (
     schedule_optimal,
     scheduler_names,
 )
+from lowband.localsgd.strategy import FLSGDOverlapStrategy, PartialSyncStrategy, PLSGDENPStrategy
 from lowband.localsgd.synthetic import random_profile
-
-if TYPE_CHECKING:
-    from lowband.localsgd.strategy import FLSGDOverlapStrategy, PartialSyncStrategy, PLSGDENPStrategy
-
-_STRATEGIES = ("FLSGDOverlapStrategy", "PartialSyncStrategy", "PLSGDENPStrategy")
-
-
-def __getattr__(name: str) -> Any:
-    # the strategies load on first use: their module imports lowband.strategies, whose "auto" imports
-    # lowband.plan, which imports this package's profiler and cost model (an import cycle if eager)
-    if name in _STRATEGIES:
-        from lowband.localsgd import strategy
-
-        return getattr(strategy, name)
-    raise AttributeError(f"module 'lowband.localsgd' has no attribute {name!r}")
-
 
 __all__ = [
     "SCHEDULERS",

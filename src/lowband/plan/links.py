@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 from lowband.errors import InvalidArgumentError
-from lowband.localsgd.profiler import COMM_SIZES, fit_comm
 from lowband.plan import collectives as coll
 from lowband.testbed.links import Layout
 
@@ -50,6 +49,11 @@ class Links:
 
     def fit(self) -> tuple[float, float]:
         """``(alpha, beta)`` of one allreduce, ``seconds = alpha + beta * bytes`` (0, 0 in a world of one)."""
+        from lowband.localsgd.profiler import (  # (lowband.localsgd imports the strategies)
+            COMM_SIZES,
+            fit_comm,
+        )
+
         return fit_comm([(s, self.allreduce(s)) for s in COMM_SIZES])
 
 

@@ -21,15 +21,17 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.localsgd.costmodel import CostProfile, LayerCost
 from lowband.optim.layerwise import parameter_layers
+
+if TYPE_CHECKING:  # lowband.localsgd imports the strategies, and auto imports this module
+    from lowband.localsgd.costmodel import CostProfile
 
 Shape = tuple[int, ...]
 
@@ -156,6 +158,8 @@ class PlanProfile:
     def from_json(cls, d: Any, where: str = "PlanProfile.from_json") -> PlanProfile:
         """The profile :meth:`to_json` wrote (``lowband plan``'s ``plan.json`` holds it as ``profile``);
         the operations are measured again when asked (their costs are this machine's)."""
+        from lowband.localsgd.costmodel import CostProfile, LayerCost
+
         try:
             layers = tuple(LayerCost.from_json(x) for x in d["layers"])
             shapes = tuple(tuple(tuple(int(v) for v in sh) for sh in layer) for layer in d["shapes"])
@@ -179,6 +183,8 @@ class PlanProfile:
 
 def scaled(cost: CostProfile, factor: float) -> CostProfile:
     """``cost`` with every layer's forward and backward seconds multiplied by ``factor``."""
+    from lowband.localsgd.costmodel import CostProfile, LayerCost
+
     layers = tuple(
         LayerCost(lc.name, lc.fwd * factor, lc.bwd * factor, lc.comm, lc.nbytes) for lc in cost.layers
     )
@@ -237,6 +243,7 @@ def profile_module(
     calls it: the layer times are the slowest rank's (:func:`~lowband.localsgd.profiler.profile_model`),
     the link fit is dropped (the planner's links come from elsewhere). The model is left unchanged: the
     optimizer step is timed on a copy of it unless ``own_model`` (a model made for profiling only)."""
+    from lowband.localsgd.costmodel import CostProfile, LayerCost
     from lowband.localsgd.profiler import profile_model
 
     say = progress or (lambda _: None)
