@@ -84,11 +84,12 @@ def plot(
 
     modelled = {s: es for s, es in rows.items() if all(e.prediction for e in es)}
     fig, ax = plt.subplots(figsize=(11, 6))
-    cmap = plt.get_cmap("tab20")
-    styles = ("-", "--", "-.", ":")
+    cmap = plt.get_cmap("tab10")
+    styles = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))  # a line style and marker per ten specs
     for i, (spec, es) in enumerate(modelled.items()):
         ms = [e.prediction.iteration_s * 1e3 for e in es]  # type: ignore[union-attr]
-        ax.plot(sizes, ms, styles[(i // 20) % 4], marker="o", markersize=3, color=cmap(i % 20), label=spec)
+        style, marker = styles[(i // 10) % len(styles)]
+        ax.plot(sizes, ms, style, marker=marker, markersize=4, color=cmap(i % 10), label=spec, linewidth=1.4)
     ax.axhline(compute_ms, color="black", linewidth=1.5, label=f"compute only ({compute_ms:.0f} ms)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -96,7 +97,7 @@ def plot(
     ax.set_xlabel("world size (ranks)")
     ax.set_ylabel("predicted iteration time (ms)")
     ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), ncol=1 + len(modelled) // 30)
     partial = [s for s, es in rows.items() if s not in modelled]
     if partial:
