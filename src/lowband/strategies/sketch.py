@@ -148,6 +148,9 @@ def sketched_sgd(
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
 ) -> SparseStageStrategy:
+    """No cost model yet (``lowband plan``): rank 0's link takes ``P - 1`` sketches
+    (:func:`lowband.plan.collectives.star_time` prices it), but rank 0's recovery and the values' round
+    trip are not modelled per step."""
     r = SketchedSGDReducer(
         rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
         momentum=momentum, masking=masking, seed=seed, warmup=warmup, warmup_steps=warmup_steps,
@@ -178,6 +181,8 @@ def gtopk(
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
 ) -> SparseStageStrategy:
+    """No cost model yet (``lowband plan``): the tree is priced (:mod:`lowband.plan.collectives`), the
+    merge of two sparse vectors in every round (measured work on the critical path) is not."""
     r = GTopKReducer(
         density=density, k=k, feedback=feedback, momentum=momentum, masking=masking, seed=seed,
         warmup=warmup, warmup_steps=warmup_steps,
