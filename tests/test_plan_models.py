@@ -21,7 +21,7 @@ MS = 1e-3
 
 class FixedOps(OpCosts):
     """Operation costs fixed by the test: PowerSGD's products 0.5 ms per bucket; identity free; any other
-    compressor 1 ms to compress, 0.5 ms to decompress, 1 % of the bytes."""
+    compressor 1 ms to compress, 0.5 ms to decompress, 1 % of the bytes; a sketch 1 ms, its recovery 0.5 ms."""
 
     def powersgd(self, shapes: tuple[tuple[int, int], ...], rank: int) -> float:
         return 0.5 * MS
@@ -30,6 +30,9 @@ class FixedOps(OpCosts):
         if spec == "identity":
             return CompressorCost(0.0, 0.0, numel * 4)
         return CompressorCost(1 * MS, 0.5 * MS, numel * 4 // 100)
+
+    def sketch(self, numel: int, rows: int, cols: int, m: int) -> tuple[float, float]:
+        return 1 * MS, 0.5 * MS
 
 
 def profile() -> PlanProfile:
@@ -104,7 +107,7 @@ def test_compressed_topk_allgather() -> None:
     )  # fmt: skip
     assert p.compression == pytest.approx(100)
     # a transport without a model
-    assert predict_spec("compressed:compressor=topk:ratio=0.01,reducer=ps", profile(), LINKS) is None
+    assert predict_spec("compressed:compressor=topk:ratio=0.01,reducer=twostage", profile(), LINKS) is None
 
 
 def test_localsgd_amortises_one_allreduce() -> None:
@@ -155,12 +158,111 @@ def test_world_of_one_is_compute_only() -> None:
 
 
 def test_no_model_and_ranking() -> None:
-    assert predict_spec("atc", profile(), LINKS) is None  # the protocol's default
+    assert predict_spec("hierarchical-atc", profile(), LINKS) is None  # the protocol's default
     assert predict_spec("ddp-sparse", profile(), LINKS) is None  # overridden: sparse gradients
     assert predict_spec("ddp:accumulate=2", profile(), LINKS) is None  # the models are of one pass per step
-    plan = make_plan(["atc", "ddp", "localsgd:period=5", "powersgd:rank=2"], profile(), LINKS)
-    assert [e.spec for e in plan] == ["localsgd:period=5", "powersgd:rank=2", "ddp", "atc"]
+    plan = make_plan(["slimgc", "ddp", "localsgd:period=5", "powersgd:rank=2"], profile(), LINKS)
+    assert [e.spec for e in plan] == ["localsgd:period=5", "powersgd:rank=2", "ddp", "slimgc"]
     assert recommend(plan, Acceptance()) == "localsgd:period=5"
     assert recommend(plan, Acceptance(max_local_steps=1)) == "powersgd:rank=2"
     assert recommend(plan, Acceptance(max_local_steps=1, max_compression=1)) == "ddp"
-    assert plan[-1].to_json() == {"spec": "atc", "predicted_ms": None, "model": False}
+    assert plan[-1].to_json() == {"spec": "slimgc", "predicted_ms": None, "model": False}
+
+
+# -- the decentralised strategies, gs-SGD and parameter servers ------------------------------------------
+def gossip(nbytes: float, peers: int = 1) -> float:
+    return peers * nbytes / 12.5e6
+
+
+def test_atc_combinations_wait_for_the_next_forward() -> None:
+    # dynamic-exp2: one copy per layer; layer1's starts when its backward ends (6 ms), layer0's after it
+    # (8 ms, queued behind): done at 6 ms + 320 + 80 ms; the next step's layer0 forward (at 9 ms) stalls
+    done = 6 * MS + gossip(4e6) + gossip(1e6)
+    p = check(predict_spec("atc", profile(), LINKS), 9 * MS + done - 9 * MS, done - 9 * MS, 5e6)
+    assert p.flags == {}
+    exp2 = predict_spec("atc:topology=exp2", profile(), LINKS)  # two copies at once at 4 ranks
+    assert exp2 is not None and exp2.bytes_per_step == pytest.approx(2 * 5e6)
+    assert exp2.comm_s == pytest.approx(6 * MS + 2 * gossip(5e6) - 9 * MS)
+    h = predict_spec("atc:period=5", profile(), LINKS)
+    assert h is not None and h.comm_s == pytest.approx(p.comm_s / 5) and h.local_steps == 5
+
+
+def test_awc_combinations_start_in_forward() -> None:
+    # layer0's from 0 ms, layer1's from 1 ms queued behind it: done at 400 ms, waited after backward (8 ms)
+    done = gossip(1e6) + gossip(4e6)
+    check(predict_spec("awc", profile(), LINKS), 9 * MS + done - 8 * MS, done - 8 * MS, 5e6)
+    # every second communication a ring allreduce of each layer instead: averaged
+    ar_done = max(ar(1e6), 1 * MS) + ar(4e6)
+    q = check(
+        predict_spec("awc:allreduce_every=2", profile(), LINKS), 9 * MS + (done + ar_done) / 2 - 8 * MS,
+        (done + ar_done) / 2 - 8 * MS, (5e6 + 1.5 * 5e6) / 2,
+    )  # fmt: skip
+    assert q.flags == {}
+
+
+def test_winput_puts_overlap_backward_only() -> None:
+    # exp2 at 4 ranks: two out-neighbors; each tensor put after the forward, waited after backward
+    puts = gossip(1e6, 2) + gossip(4e6, 2)
+    check(predict_spec("winput", profile(), LINKS), 9 * MS + puts - 6 * MS, puts - 6 * MS, 2 * 5e6)
+    ring = predict_spec("winput:topology=ring", profile(), LINKS.at(64))
+    assert ring is not None and ring.bytes_per_step == pytest.approx(2 * 5e6)  # 2 peers at any size
+
+
+def test_gradient_allreduce_is_ddp_with_a_bucket_per_layer() -> None:
+    end = 4 * MS + ar(4e6) + ar(1e6)
+    check(predict_spec("gradient-allreduce", profile(), LINKS), 3 * MS + end, end - 6 * MS, 1.5 * 5e6)
+
+
+def test_gs_sgd_tree_of_sketches() -> None:
+    # buckets {layer1} (d = 1e6) and {layer0} (d = 250,000); density 0.01: k = 10,000 and 2,500, sketches of
+    # 5 x 10 k float32; 2 ceil(log2 4) = 4 rounds each, then an allreduce of the k exact values
+    t1, t0 = 5 * 100_000 * 4, 5 * 25_000 * 4
+    comm = 4 * (t1 + t0) / 12.5e6 + ar(40_000) + ar(10_000)
+    sent = 1.5 * (t1 + t0) + 1.5 * (40_000 + 10_000)
+    p = check(predict_spec("gs-sgd", profile(), LINKS), 9 * MS + 3 * MS + comm, comm, sent, compress=3 * MS)
+    assert p.compression == pytest.approx(5e6 / (t1 + t0 + 50_000))
+    q = predict_spec("gs-sgd:reduce=allreduce", profile(), LINKS)
+    assert q is not None and q.comm_s == pytest.approx(ar(t1) + ar(t0) + ar(40_000) + ar(10_000))
+    one = predict_spec("gs-sgd", profile(), Links(1, 12.5e6))
+    assert one is not None and one.comm_s == 0 and one.bytes_per_step == 0
+
+
+def test_compressed_over_parameter_servers() -> None:
+    # per bucket: 4 shards compressed (1 ms each) and 8 decodes (0.5 ms), an all-to-all of 3 payloads of
+    # 1 % of a shard, backward stalled for it; then the allgather of the float32 shards, overlapped
+    s1 = 8 * MS + 3 * 10_000 / 12.5e6
+    s0 = 8 * MS + 3 * 2_500 / 12.5e6
+    end = max(2 * MS + 4 * MS + s1 + 3 * 250_000 * 4 / 12.5e6, 2 * MS + 6 * MS + s1 + s0)
+    end += 3 * 62_500 * 4 / 12.5e6
+    exposed = s1 + s0 + end - (2 * MS + 6 * MS + s1 + s0)
+    check(
+        predict_spec("compressed:compressor=fp16,reducer=ps", profile(), LINKS), 9 * MS + exposed,
+        exposed - 16 * MS, 3 * (10_000 + 2_500) + 3 * (250_000 + 62_500) * 4, compress=16 * MS,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "atc",
+        "awc",
+        "atc:topology=exp2",
+        "winput",
+        "gradient-allreduce",
+        "gs-sgd",
+        "compressed:compressor=fp16,reducer=ps",
+    ],
+)
+def test_new_models_never_negative_and_free_at_one_rank(spec: str) -> None:
+    for n in (1, 2, 3, 5, 64, 1024):
+        p = predict_spec(spec, profile(), LINKS.at(n))
+        assert p is not None
+        assert min(p.comm_s, p.compress_s, p.bytes_per_step) >= 0
+        assert p.iteration_s >= p.compute_s
+        if n == 1 and spec != "gs-sgd" and "ps" not in spec:
+            assert p.iteration_s == pytest.approx(p.compute_s) and p.bytes_per_step == 0
+
+
+def test_unmodelled_topologies() -> None:
+    assert predict_spec("atc:topology=inner-outer-exp2", profile(), LINKS) is None
+    assert predict_spec("hierarchical-atc", profile(), LINKS) is None

@@ -52,8 +52,8 @@ the survivors of a lost rank train on without it, as the strategies that average
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -80,6 +80,9 @@ from lowband.topology.names import (
     topology_label,
     topology_option,
 )
+
+if TYPE_CHECKING:
+    from lowband.plan import Links, PlanProfile, Prediction
 
 #: a topology option: a registered name, a :class:`Topology` or a :class:`DynamicTopology`
 TopologyArg = str | Topology | DynamicTopology
@@ -210,6 +213,12 @@ class _NeighborStrategy(DecentralStrategy, StepwisePeerLoss):
         if on_peer_loss == "continue":
             opt.survival = Survival(self.wait_beating, self._combination_lost, ctx.config.timeout)
 
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models_peers
+
+        return models_peers.neighbor(cls.name, profile, links, options)
+
     # -- a lost peer (on_peer_loss="continue": module docstring, lowband.strategies.peer_steps) -----
     def begin_step(self) -> None:
         super().begin_step()  # (admits the replacements proposed at the last global allreduce)
@@ -311,6 +320,9 @@ class AWCStrategy(_NeighborStrategy):
     NEIGHBOR_OPTIONS | Options({"topology": topology_option(MACHINE_TOPOLOGIES)}),
 )
 class HierarchicalATCStrategy(DecentralStrategy):
+    """No cost model (``lowband plan``): a machine average over the links inside a machine, then
+    machines; the planner's one-ring link model has no second tier."""
+
     name = "hierarchical-atc"
     steps_in_backward = True
     base_type = CommunicationType.hierarchical_neighbor_allreduce
@@ -368,6 +380,12 @@ class WrapperStrategy(Strategy):
 @register_strategy("gradient-allreduce", "Gradients averaged by per-layer allreduce from backward hooks")
 class GradientAllreduceStrategy(WrapperStrategy):
     name = "gradient-allreduce"
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models_peers
+
+        return models_peers.gradient_allreduce(profile, links, options)
 
     def finish_gradients(self) -> None:
         self.optimizer.synchronize()  # the gradients are averaged in place

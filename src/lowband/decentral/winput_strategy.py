@@ -33,7 +33,8 @@ survivors of a lost rank train on without it, the stepwise way (:mod:`lowband.st
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -57,6 +58,9 @@ from lowband.strategies.registry import register_strategy
 from lowband.topology import Topology
 from lowband.topology.names import STATIC_TOPOLOGIES, build_topology, topology_label, topology_option
 
+if TYPE_CHECKING:
+    from lowband.plan import Links, PlanProfile, Prediction
+
 
 @register_strategy(
     "winput",
@@ -66,6 +70,12 @@ from lowband.topology.names import STATIC_TOPOLOGIES, build_topology, topology_l
 )
 class WinPutStrategy(WrapperStrategy, StepwisePeerLoss):
     name = "winput"
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models_peers
+
+        return models_peers.winput(profile, links, options)
 
     def __init__(
         self, model: nn.Module, make_optimizer: OptimizerFactory, group: Group, *, topology: TopologyArg = "exp2",

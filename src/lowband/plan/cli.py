@@ -24,7 +24,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "-s", "--strategies", default=None,
         help="specs separated by '+' (default: every registered strategy over a grid of its settings)",
     )  # fmt: skip
-    p.add_argument("-n", "--world-size", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("-n", "--world-size", type=int, default=None, help="ranks (default 4)")
+    p.add_argument(
+        "--world-sizes", default=None,
+        help="predict at each of these world sizes instead (e.g. 8,64,256,1024; the same per-link rate "
+        "and delay): writes scale.json, scale.md and scale.png",
+    )  # fmt: skip
     p.add_argument("--rate", default=None, help="per-rank link rate, e.g. 100mbit (or --rates)")
     p.add_argument("--rates", default=None, help="heterogeneous: one rate per machine, comma separated")
     p.add_argument("--ranks-per-machine", type=int, default=1, help="two-tier layout: ranks per machine")
@@ -45,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--out", default=None, help="output folder (default results/plan-<time>)")
 
 
-def _layout(ns: argparse.Namespace) -> Any:
+def _layout(ns: argparse.Namespace, world: int) -> Any:
     from lowband.run_cli import rate_arg
     from lowband.testbed.links import build_layout
 
@@ -60,7 +65,7 @@ def _layout(ns: argparse.Namespace) -> Any:
     except argparse.ArgumentTypeError as e:
         raise InvalidArgumentError(f"lowband plan: {e}") from e
     return build_layout(
-        ns.world_size, rate=rate, rates=rates, ranks_per_machine=ns.ranks_per_machine,
+        world, rate=rate, rates=rates, ranks_per_machine=ns.ranks_per_machine,
         intra_rate=intra, delay_ms=ns.delay_ms, where="lowband plan",
     )  # fmt: skip
 
@@ -76,6 +81,22 @@ def _check_numbers(ns: argparse.Namespace) -> None:
             raise InvalidArgumentError(f"lowband plan: {what} must be >= {lo}, got {v}")
     if ns.max_compression is not None and not ns.max_compression >= 1:
         raise InvalidArgumentError(f"lowband plan: --max-compression must be >= 1, got {ns.max_compression}")
+
+
+def _world_sizes(ns: argparse.Namespace) -> list[int] | None:
+    """``--world-sizes`` parsed (None: one size, ``-n``); what cannot go with it refused."""
+    from lowband.plan.scale import parse_world_sizes
+
+    if ns.world_sizes is None:
+        return None
+    for flag, given in (("-n", ns.world_size is not None), ("--rates", ns.rates is not None),
+                        ("--shared-cores", bool(ns.shared_cores))):  # fmt: skip
+        if given:
+            raise InvalidArgumentError(
+                f"lowband plan: {flag} describes one world size; not with --world-sizes (a machine per rank "
+                "at every size, --rate per link)"
+            )
+    return parse_world_sizes(ns.world_sizes)
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -95,11 +116,16 @@ def _plan(ns: argparse.Namespace) -> int:
 
     # every argument checked before anything runs
     _check_numbers(ns)
+    sizes = _world_sizes(ns)
     check_workload(ns.workload, "lowband plan")
     specs = ns.strategies.split("+") if ns.strategies else planner.default_specs()
     planner.check_specs(specs)
-    layout = _layout(ns)
-    links = links_from_layout(layout)
+    if sizes is not None:
+        from lowband.plan.cli_scale import run_scale
+
+        return run_scale(ns, specs, sizes, {n: links_from_layout(_layout(ns, n)) for n in sizes})
+    ns.world_size = ns.world_size or 4
+    links = links_from_layout(_layout(ns, ns.world_size))
     accept = planner.Acceptance(ns.max_local_steps, ns.max_compression, ns.max_staleness)
     scale = max(1.0, ns.world_size / ns.shared_cores) if ns.shared_cores else 1.0
     out = Path(ns.out or Path("results") / f"plan-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -15,7 +15,8 @@ collective formulas (:mod:`lowband.plan.collectives`) need: one ring's bandwidth
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from lowband.errors import InvalidArgumentError
 from lowband.plan import collectives as coll
@@ -46,6 +47,34 @@ class Links:
     def allgather(self, nbytes: float) -> float:
         """Seconds of a ring allgather of ``nbytes`` bytes per rank over these links."""
         return coll.allgather_time(nbytes, self.world, self.bandwidth, self.latency)
+
+    def at(self, world: int) -> Links:
+        """The same per-link bandwidth and latency over ``world`` ranks (a prediction at another size)."""
+        return replace(self, world=world)
+
+    def tree_allreduce(self, nbytes: float) -> float:
+        """Seconds of a recursive-doubling allreduce of ``nbytes`` bytes."""
+        return coll.tree_allreduce_time(nbytes, self.world, self.bandwidth, self.latency)
+
+    def alltoall(self, blocks: Sequence[float]) -> float:
+        """Seconds of an all-to-all sending ``blocks[i]`` bytes to each other rank."""
+        return coll.alltoall_time(blocks, self.world, self.bandwidth, self.latency)
+
+    def ps(self, push: float, shard: float) -> float:
+        """Seconds of a colocated parameter-server exchange (push ``push`` bytes per owner, pull shards)."""
+        return coll.ps_time(push, shard, self.world, self.bandwidth, self.latency)
+
+    def gossip(self, nbytes: float, peers: int) -> float:
+        """Seconds of one neighbor averaging of ``nbytes`` bytes with ``peers`` out-neighbors."""
+        return coll.gossip_time(nbytes, peers, self.world, self.bandwidth, self.latency)
+
+    def halving_doubling(self, message: float) -> float:
+        """Seconds of gs-SGD's tree (reduce and broadcast) of ``message``-byte messages."""
+        return coll.halving_doubling_time(message, self.world, self.bandwidth, self.latency)
+
+    def star(self, message: float, *, back: bool = True) -> float:
+        """Seconds of every rank's ``message`` to one root (and, ``back``, the root's to every rank)."""
+        return coll.star_time(message, self.world, self.bandwidth, self.latency, back=back)
 
     def fit(self) -> tuple[float, float]:
         """``(alpha, beta)`` of one allreduce, ``seconds = alpha + beta * bytes`` (0, 0 in a world of one)."""

@@ -8,7 +8,8 @@
   (``n r`` per matrix), then Q (``m r``): three allreduces in sequence, plus the measured products.
 - ``compressed``: the gradient stage's buckets, each unit compressed (measured), moved by a ring
   allreduce (payloads that sum on the wire) or a ring allgather (the others; every rank decodes every
-  payload), decoded; exact payload bytes of the compressor on the unit's size. Other transports: no model.
+  payload), decoded; exact payload bytes of the compressor on the unit's size; ``reducer=ps``: colocated
+  parameter servers (:mod:`lowband.plan.models_sparse`). Other transports: no model.
 - ``localsgd``: H local steps, then one allreduce of every parameter, not overlapped.
 - ``dreamddp`` (and its variants): DreamDDP's own split choice and schedule (:func:`choose_split`
   with the variant's scheduler) on the profile with the link fit, period time / H plus the step.
@@ -109,6 +110,12 @@ def _unit_exchange(
 
 
 def compressed(profile: PlanProfile, links: Links, o: Mapping[str, Any]) -> Prediction | None:
+    from lowband.compress import make_compressor
+    from lowband.compress.specs import resolve_transport
+    from lowband.plan.models_sparse import compressed_ps
+
+    if resolve_transport(str(o["reducer"]), make_compressor(str(o["compressor"])))[0] == "ps":
+        return compressed_ps(profile, links, o)
     cost = profile.cost
     cap, first = o["bucket_mb"] * MiB, (o["first_bucket_mb"] or o["bucket_mb"]) * MiB
     buckets = layer_buckets([lc.nbytes for lc in cost.layers], cap, first)

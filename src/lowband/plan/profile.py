@@ -81,13 +81,33 @@ class OpCosts:
         out: CompressorCost = self.cache[key]
         return out
 
+    def sketch(self, numel: int, rows: int, cols: int, m: int) -> tuple[float, float]:
+        """``(sketch seconds, recovery seconds)`` of a CountSketch of ``rows x cols`` over ``numel`` values
+        and the recovery of ``m`` coordinates from it (estimates, then the ``m`` largest): gs-SGD's work."""
+        key = ("sketch", numel, rows, cols, m)
+        if key not in self.cache:
+            from lowband.compress.heavymix import topk_indices
+            from lowband.compress.sketch import CountSketch
+
+            sk = CountSketch(max(1, numel), rows, cols, seed=numel)
+            x = torch.randn(max(1, numel), generator=torch.Generator().manual_seed(numel))
+            table = sk.sketch(x)
+            s = median_seconds(lambda: sk.sketch(x))
+            r = median_seconds(lambda: topk_indices(sk.estimate(table), m))
+            self.cache[key] = (s * self.scale, r * self.scale)
+        out: tuple[float, float] = self.cache[key]
+        return out
+
     def to_json(self) -> list[dict[str, Any]]:
-        """What was measured: each compressor on each unit size, PowerSGD's products per rank."""
+        """What was measured: each compressor on each unit size, PowerSGD's products per rank, sketches."""
         out: list[dict[str, Any]] = []
         for key, v in self.cache.items():
             if key[0] == "compressor":
                 out.append({"compressor": key[1], "numel": key[2], "compress_ms": v.compress_s * 1e3,
                             "decompress_ms": v.decompress_s * 1e3, "payload_bytes": v.nbytes})  # fmt: skip
+            elif key[0] == "sketch":
+                out.append({"sketch_numel": key[1], "rows": key[2], "cols": key[3], "recover": key[4],
+                            "sketch_ms": v[0] * 1e3, "recover_ms": v[1] * 1e3})  # fmt: skip
             else:
                 out.append({"powersgd_rank": key[2], "matrices": len(key[1]), "products_ms": v * 1e3})
         return out

@@ -144,7 +144,9 @@ def _calls(where: str, name: str, ids: object) -> list[torch.Tensor]:
 
 
 class EmbraceStrategy(Strategy):
-    """Column-partitioned tables + allreduced dense parameters (module docstring)."""
+    """Column-partitioned tables + allreduced dense parameters (module docstring). No cost model
+    (``lowband plan``): its all-to-all bytes depend on the ids each batch looks up (the data), which the
+    profile does not hold."""
 
     name = "embrace"
     no_skip_reason = "its tables' gradient rows are exchanged during backward, before the step"

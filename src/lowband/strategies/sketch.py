@@ -15,7 +15,8 @@ worker momentum keep their sum over ranks). The options that change what the sta
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -33,8 +34,11 @@ from lowband.optim.units import BUCKET_OPTIONS
 from lowband.options import Opt, Options
 from lowband.strategies.base import OptimizerFactory
 from lowband.strategies.compressed import CompressedStrategy, compressed
-from lowband.strategies.registry import register_strategy
+from lowband.strategies.registry import modelled_as, register_strategy
 from lowband.strategies.stage import StageStrategy
+
+if TYPE_CHECKING:
+    from lowband.plan import Links, PlanProfile, Prediction
 
 
 class SparseStageStrategy(StageStrategy):
@@ -71,11 +75,26 @@ class SparseStageStrategy(StageStrategy):
         return out
 
 
+class _GsSGDModel(SparseStageStrategy):
+    """gs-SGD's cost model (:func:`lowband.plan.models_sparse.gs_sgd`), carried by its factory.
+    Sketched-SGD, gTop-k and top-k allgather have none yet (their star, pair-merging tree and uneven
+    pair counts are priced by :mod:`lowband.plan.collectives` but not modelled per step)."""
+
+    plan_grid = ("density=0.01",)
+
+    @classmethod
+    def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:
+        from lowband.plan import models_sparse
+
+        return models_sparse.gs_sgd(profile, links, options)
+
+
 @register_strategy(
     "gs-sgd",
     "gs-SGD: CountSketches summed over a halving/doubling tree, top-k recovery (or HEAVYMIX), exact values",
     SKETCH_OPTIONS | SPARSE_OPTIONS | REDUCE_OPTIONS | BUCKET_OPTIONS,
 )
+@modelled_as(_GsSGDModel)
 def gs_sgd(
     model: nn.Module,
     make_optimizer: OptimizerFactory,
@@ -129,6 +148,9 @@ def sketched_sgd(
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
 ) -> SparseStageStrategy:
+    """No cost model yet (``lowband plan``): rank 0's link takes ``P - 1`` sketches
+    (:func:`lowband.plan.collectives.star_time` prices it), but rank 0's recovery and the values' round
+    trip are not modelled per step."""
     r = SketchedSGDReducer(
         rows=rows, cols=cols, density=density, k=k, recovery=recovery, oversample=oversample,
         momentum=momentum, masking=masking, seed=seed, warmup=warmup, warmup_steps=warmup_steps,
@@ -159,6 +181,8 @@ def gtopk(
     bucket_mb: float = 25.0,
     first_bucket_mb: float = 1.0,
 ) -> SparseStageStrategy:
+    """No cost model yet (``lowband plan``): the tree is priced (:mod:`lowband.plan.collectives`), the
+    merge of two sparse vectors in every round (measured work on the critical path) is not."""
     r = GTopKReducer(
         density=density, k=k, feedback=feedback, momentum=momentum, masking=masking, seed=seed,
         warmup=warmup, warmup_steps=warmup_steps,

@@ -62,7 +62,10 @@ def parameter_units(model: nn.Module) -> list[Unit]:
 
 
 class SlimGCStrategy(ClockedStrategy):
-    """See the module docstring."""
+    """See the module docstring. No cost model (``lowband plan``): which tensors go compressed is decided
+    by the threshold table its warm-up measures on the real links (``comm_threshold=auto``), and the model
+    backup overlaps each aggregate with the next iteration on a worker thread; neither is known before
+    a run."""
 
     name = "slimgc"
     no_clip_reason = "its reducer hands the averaged gradients to the optimizer inside step()"
