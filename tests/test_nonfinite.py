@@ -30,6 +30,8 @@ AVERAGED = {"ddp-sparse"}
 #: local-step strategies: the ranks agree asynchronously (raised at a later step, or by synchronize()),
 #: and under skip only the rank that held the value drops its local step
 DEFERRED = {"localsgd", "diloco"}
+#: auto takes its choice's policy: among the compressed ones, whichever is fastest here
+OPTIONS: dict[str, dict[str, Any]] = {"auto": {"only": "compressed"}}
 
 
 def _train(name: str, policy: str, kind: str, bad: tuple[int, ...]) -> dict[str, Any]:
@@ -37,7 +39,7 @@ def _train(name: str, policy: str, kind: str, bad: tuple[int, ...]) -> dict[str,
     dense parameter. Returns what happened on this rank."""
     m = em.model(seed=5)
     try:
-        s = make_strategy(name, m, em.sgd, on_nonfinite=policy)
+        s = make_strategy(name, m, em.sgd, on_nonfinite=policy, **OPTIONS.get(name, {}))
     except InvalidArgumentError as exc:
         return {"refused": str(exc)}
     rank = lowband.rank()

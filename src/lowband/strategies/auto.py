@@ -177,7 +177,7 @@ class AutoStrategy(Strategy):
     def _install(self, spec: str) -> Strategy:
         self.spec = spec
         self.inner = self._build(spec)
-        self.optimizer = self.inner.optimizer
+        self.optimizer, self.nonfinite = self.inner.optimizer, self.inner.nonfinite
         return self.inner
 
     def chosen(self) -> Strategy:
@@ -311,6 +311,7 @@ class AutoStrategy(Strategy):
         self._nonfinite = policy
         if self.inner is not None:
             self.inner.set_nonfinite(policy)
+            self.nonfinite = self.inner.nonfinite
             auto_switch.refresh_config(self, self.inner)
 
     def set_accumulate(self, passes: int) -> None:
