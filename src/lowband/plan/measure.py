@@ -16,7 +16,7 @@ allreduce took :data:`~lowband.localsgd.profiler.COMM_TIME_CAP` or more: at 10 M
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from lowband.plan.links import Links
 from lowband.runtime import world_group
 
 #: default probe sizes (bytes): 4 KiB, 16 KiB, ..., 64 MiB; the probe stops early on a slow link
-PROBE_SIZES: tuple[int, ...] = tuple(4096 * 4**k for k in range(9))
+PROBE_SIZES: tuple[int, ...] = tuple(4096 * 4**k for k in range(8))
 
 
 def links_from_fit(n: int, alpha: float, beta: float, label: str | None = None) -> Links:
@@ -93,3 +93,39 @@ def measure_links(
     return its ring :class:`Links`, identical on every rank. ``sizes`` default: :data:`PROBE_SIZES`;
     ``repeats`` timings per size (their median)."""
     return probe(group, sizes=sizes, repeats=repeats).links
+
+
+def launched_world() -> int | None:
+    """The world size of the job this process was launched in (``WORLD_SIZE`` and ``RANK`` set by
+    ``lowband run`` or torchrun), else None."""
+    import os
+
+    size, rank = os.environ.get("WORLD_SIZE"), os.environ.get("RANK")
+    if size is None or rank is None:
+        return None
+    try:
+        return int(size)
+    except ValueError as e:
+        raise InvalidArgumentError(f"lowband plan --measure: WORLD_SIZE={size!r} is not an int") from e
+
+
+def run_measured(work: Callable[[Probe, Group], int], *, wait_s: float) -> int:
+    """In a launched job: every rank joins (:func:`lowband.init`, every wait bounded by ``wait_s`` s)
+    and probes the links (:func:`probe`); rank 0 then runs ``work(probe, solo)`` (``solo``: a group of
+    rank 0 alone, for the profiler) while the others wait for it at a barrier (bounded too) and return 0.
+    Returns ``work``'s status on rank 0."""
+    import lowband
+
+    lowband.init(timeout=wait_s)
+    try:
+        p = probe()
+        solo = lowband.new_group([0], name="plan-profile")
+        status = 0
+        try:
+            if solo is not None:
+                status = work(p, solo)
+        finally:
+            lowband.barrier(name="plan-measure-done")
+        return status
+    finally:
+        lowband.shutdown()

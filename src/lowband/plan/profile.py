@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from lowband.errors import InvalidArgumentError
+from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile, LayerCost
 from lowband.optim.layerwise import parameter_layers
 
@@ -164,8 +165,11 @@ def measure_profile(
     compute_scale: float = 1.0,
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
+    group: Group | None = None,
 ) -> PlanProfile:
-    """Profile ``workload`` (a registered name or ``module:factory``) in this process (module doc)."""
+    """Profile ``workload`` (a registered name or ``module:factory``) in this process (module doc).
+    ``group``: the profiler's group when lowband is initialised (a group of this rank alone: the
+    profiler's collectives then wait for no other rank); without lowband, a world of one."""
     import lowband
     from lowband.bench.workloads import get_workload
     from lowband.localsgd.profiler import profile_model
@@ -185,7 +189,9 @@ def measure_profile(
     if not started:
         lowband.init()  # a world of one: the profiler's collectives are no-ops
     try:
-        cost = profile_model(model, lambda m: w.loss(m, batch), repeats=repeats, interference=False)
+        cost = profile_model(
+            model, lambda m: w.loss(m, batch), group=group, repeats=repeats, interference=False
+        )
     finally:
         if not started:
             lowband.shutdown()
