@@ -219,8 +219,11 @@ def measure_profile(
     compute_scale: float = 1.0,
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
+    group: Group | None = None,
 ) -> PlanProfile:
-    """Profile ``workload`` (a registered name or ``module:factory``) in this process (module doc)."""
+    """Profile ``workload`` (a registered name or ``module:factory``) in this process (module doc).
+    ``group``: the profiler's group when lowband is initialised (a group of this rank alone: the
+    profiler's collectives then wait for no other rank); without lowband, a world of one."""
     import lowband
     from lowband.bench.workloads import get_workload
     from lowband.runtime import is_initialized
@@ -239,7 +242,7 @@ def measure_profile(
     try:
         return profile_module(
             model, lambda m: w.loss(m, batch), w.make_optimizer, name=workload, batch_size=bs,
-            compute_scale=compute_scale, repeats=repeats, progress=say, own_model=True,
+            group=group, compute_scale=compute_scale, repeats=repeats, progress=say, own_model=True,
         )  # fmt: skip
     finally:
         if not started:

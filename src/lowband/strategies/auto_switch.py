@@ -89,15 +89,9 @@ def save_profile(profile: PlanProfile, path: Path) -> None:
 
 def measure(group: Group) -> Links:
     """The group's links, measured (collective; identical on every rank)."""
-    from lowband.localsgd.profiler import measure_comm
+    from lowband.plan.measure import measure_links
 
-    n = group.size
-    if n == 1:
-        return Links(1, math.inf, 0.0, "a world of one")
-    alpha, beta, _ = measure_comm(group)
-    lat = max(0.0, alpha) / (2 * (n - 1))
-    bw = 2 * (n - 1) / (n * beta) if beta > 0 else math.inf
-    return Links(n, bw, lat, f"measured: {bw * 8 / 1e6:.1f} Mbit/s, {lat * 1e3:.2f} ms per step")
+    return measure_links(group)
 
 
 def links_json(links: Links) -> dict[str, Any]:
