@@ -243,14 +243,14 @@ def _slow_down(sleep_from: int) -> list[dict[str, Any]]:
         "profile": _profile(),
         "links": Links(n, FAST),
         "only": "compressed",
-        "drift": 0.5,
+        "drift": 1.5,  # a window 2.5x the baseline; steps of 40 ms against 200 ms: load cannot fake it
         "check_every": 4,
     }
     m = _model()
     s = make_strategy("auto", m, _opt, **opts)
 
     def loss(mod: torch.nn.Module, k: int) -> torch.Tensor:
-        time.sleep(0.002 if k < sleep_from else 0.03)
+        time.sleep(0.04 if k < sleep_from else 0.2)
         return _loss(mod, r, k)
 
     for k in range(28):
