@@ -94,3 +94,20 @@ def test_every_rank_gets_the_same_links(n: int) -> None:
 def test_world_of_one() -> None:
     (links,) = run_threads(lambda: measure_links(sizes=(4096, 8192)), 1)
     assert links.world == 1 and links.bandwidth == math.inf and links.latency == 0.0
+
+
+def _loaded() -> tuple[float, float, float]:
+    import lowband
+    from lowband.plan.measure import loaded_latency
+
+    p = probe(sizes=(4096, 16384))
+    quiet = links_from_fit(p.links.world, p.alpha, p.beta).latency
+    return loaded_latency(lowband.world(), repeats=3, burst_s=0.001), p.links.latency, quiet
+
+
+def test_the_latency_is_the_larger_of_the_quiet_and_the_loaded_one() -> None:
+    out = run_threads(_loaded, 3, timeout=120)
+    assert len({o[1] for o in out}) == 1  # every rank alike
+    for loaded, latency, quiet in out:
+        assert loaded > 0
+        assert latency >= quiet

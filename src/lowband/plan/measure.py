@@ -8,6 +8,14 @@ every rank has the same fit). The ring allreduce of ``b`` bytes over ``n`` ranks
 ``beta = 2 (n - 1) / (n bandwidth)``; so ``latency = alpha / (2 (n - 1))`` and
 ``bandwidth = 2 (n - 1) / (n beta)`` (``beta = 0``: no measurable bandwidth cost, ``inf``).
 
+Latency while the ranks compute. A quiet probe finds a rank waiting for its message awake at once; in
+training the message of a collective issued during backward reaches ranks that are computing, and where
+ranks share cores (the testbed: 4 ranks on 2) a woken rank waits for a core, so a small collective costs
+scheduler ticks, not the network's latency. :func:`loaded_latency` times tiny allreduces each issued
+right after a burst of computation on every rank (the slowest rank's median); the ring's per-step
+latency is the larger of the quiet fit's and that time over the ring's ``2 (n - 1)`` steps. With a core
+per rank the two agree; on the testbed the loaded one is several times larger.
+
 The probe's sizes (:data:`PROBE_SIZES`, 4 KiB to 64 MiB by fours) stop after the first size whose
 allreduce took :data:`~lowband.localsgd.profiler.COMM_TIME_CAP` or more: at 10 Mbit/s the probe ends at
 256 KiB in about two seconds, at 1 Gbit/s at 16 MiB, and only links faster than a few Gbit/s reach 64 MiB.
@@ -62,12 +70,14 @@ def describe(bandwidth: float, latency: float) -> str:
 
 @dataclass(frozen=True)
 class Probe:
-    """One measurement: the ring model and the fit it comes from (``samples``: ``(bytes, seconds)``)."""
+    """One measurement: the ring model and the fit it comes from (``samples``: ``(bytes, seconds)``;
+    ``loaded_s``: a tiny allreduce after computation, :func:`loaded_latency`)."""
 
     links: Links
     alpha: float
     beta: float
     samples: list[tuple[int, float]]
+    loaded_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         """What plan.json records of the links."""
@@ -76,14 +86,52 @@ class Probe:
             "alpha_s": self.alpha,
             "beta_s_per_byte": self.beta,
             "samples": [[b, t] for b, t in self.samples],
+            "loaded_allreduce_s": self.loaded_s,
         }
+
+
+#: computation before each timed allreduce of :func:`loaded_latency`, and the allreduces timed
+BURST_S, LOADED_REPEATS = 0.005, 15
+
+
+def loaded_latency(group: Group, *, repeats: int = LOADED_REPEATS, burst_s: float = BURST_S) -> float:
+    """Seconds of a 4-byte allreduce issued right after ``burst_s`` seconds of computation on every rank
+    (module doc): the median of ``repeats``, the slowest rank's (collective; identical on every rank)."""
+    import statistics
+    import time
+
+    import torch
+
+    from lowband.comm.collectives import allreduce
+
+    if group.size == 1:
+        return 0.0
+    a = torch.randn(96, 96)
+    x = torch.zeros(1)
+    allreduce(x, inplace=True, group=group)
+    times = []
+    for _ in range(repeats):
+        end = time.perf_counter() + burst_s
+        while time.perf_counter() < end:
+            a = torch.tanh(a @ a)
+        t0 = time.perf_counter()
+        allreduce(x, inplace=True, group=group)
+        times.append(time.perf_counter() - t0)
+    red = allreduce(torch.tensor([statistics.median(times)], dtype=torch.float64), "max", group=group)
+    return float(red.item())
 
 
 def probe(group: Group | None = None, *, sizes: Sequence[int] | None = None, repeats: int = 3) -> Probe:
     """:func:`measure_links` with the fit's own figures (collective; identical on every rank)."""
     _, g = world_group(group, "measure_links")
     alpha, beta, samples = measure_comm(g, PROBE_SIZES if sizes is None else sizes, repeats)
-    return Probe(links_from_fit(g.size, alpha, beta), alpha, beta, samples)
+    loaded = loaded_latency(g)
+    quiet = links_from_fit(g.size, alpha, beta)
+    if g.size == 1 or loaded / (2 * (g.size - 1)) <= quiet.latency:
+        return Probe(quiet, alpha, beta, samples, loaded)
+    latency = loaded / (2 * (g.size - 1))
+    label = f"{describe(quiet.bandwidth, latency)} while computing ({quiet.latency * 1e3:.2g} quiet)"
+    return Probe(Links(g.size, quiet.bandwidth, latency, label), alpha, beta, samples, loaded)
 
 
 def measure_links(
