@@ -3,9 +3,12 @@
 Usage: python benchmarks/plan_matrix.py OUT_DIR [--cells NAME,NAME] [--rounds 4] [--steps 20]
        [--work DIR] [--list]
 
-For each cell (workload x links x layout; ``--list`` prints them): ``lowband plan`` (4 ranks,
-``--shared-cores`` this machine's cores, as the bench's ranks share them) ranks every spec; the three
-fastest predictions then run side by side with ``auto`` in one ``lowband bench`` on the same links.
+For each cell (workload x links x layout; ``--list`` prints them): ``lowband plan --measure`` under
+``lowband run`` on the cell's emulated links (4 ranks, profiling at once on this machine's cores as the
+bench's ranks share them; ``--configured``: the plan from the configured rates, ``--shared-cores`` this
+machine's cores) ranks every
+spec; the three fastest predictions then run side by side with ``auto`` in one ``lowband bench`` on the
+same links.
 Per cell (``OUT_DIR/<cell>.json``, by ``benchmarks/plan_validation.py``'s comparison): predicted and
 measured ms of the three, the prediction's error, what ``auto`` chose, its measured iteration and time
 to target against the best of the three. ``OUT_DIR/summary.json`` and ``summary.md`` hold the table and
@@ -26,7 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plan_validation import compare  # noqa: E402
+from plan_validation import compare
 
 WORKLOADS = {"cnn": "fmnist-cnn", "gpt": "shakespeare-gpt", "wordlm": "wordlm-sampled"}
 LINKS = {"100m": ["--rate", "100mbit"], "1g": ["--rate", "1gbit"]}
@@ -56,10 +59,17 @@ def top_three(plan: dict[str, Any]) -> list[str]:
     return [s["spec"] for s in plan["strategies"] if s.get("predicted_ms") is not None][:3]
 
 
-def run_cell(name: str, workload: str, links: list[str], work: Path, rounds: int, steps: int) -> dict[str, Any]:
+def run_cell(
+    name: str, workload: str, links: list[str], work: Path, rounds: int, steps: int, measured: bool
+) -> dict[str, Any]:
     cores = str(os.cpu_count() or 1)
     plan_dir, bench_dir = work / name / "plan", work / name / "bench"
-    lowband("plan", "-w", workload, "-n", "4", *links, "--shared-cores", cores, "--out", str(plan_dir))
+    common = ["-w", workload, "--out", str(plan_dir)]
+    if measured:  # the launcher takes the links; the plan measures them, and its ranks share the cores
+        rpm = links[links.index("--ranks-per-machine") :] if "--ranks-per-machine" in links else []
+        lowband("run", "-n", "4", *links, "-m", "lowband", "plan", "--measure", *rpm, *common)
+    else:
+        lowband("plan", "-n", "4", *links, "--shared-cores", cores, *common)
     plan = json.loads((plan_dir / "plan.json").read_text())
     specs = top_three(plan)
     lowband(
@@ -78,6 +88,7 @@ def run_cell(name: str, workload: str, links: list[str], work: Path, rounds: int
         "cell": name,
         "workload": workload,
         "links": links,
+        "plan_links": plan["links"],
         "top_three": specs,
         "comparison": cmp["strategies"],
         "compute_ms": cmp["compute_ms"],
@@ -122,8 +133,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--cells", default=None, help="comma-separated cell names (default: every cell)")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--work", default=None, help="where the plans and benches go (default: a temporary folder)")
+    p.add_argument(
+        "--work", default=None, help="where the plans and benches go (default: a temporary folder)"
+    )
     p.add_argument("--list", action="store_true", help="print the cells and exit")
+    p.add_argument(
+        "--configured", action="store_true", help="plan from the configured rates, not measured links"
+    )
     ns = p.parse_args(argv)
     all_cells = cells()
     if ns.list or ns.out is None:
@@ -140,10 +156,12 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in tqdm(chosen, desc="plan matrix", unit="cell"):
         w, links = all_cells[name]
-        row = run_cell(name, w, links, work, ns.rounds, ns.steps)
+        row = run_cell(name, w, links, work, ns.rounds, ns.steps, not ns.configured)
         (out / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
-    top = [c["error"] for r in rows for s, c in r["comparison"].items() if s != "auto" and c["error"] is not None]
+    top = [
+        c["error"] for r in rows for s, c in r["comparison"].items() if s != "auto" and c["error"] is not None
+    ]
     summary = {
         "cells": rows,
         "top_three_within_20pct": sum(abs(e) <= 0.2 for e in top),

@@ -135,6 +135,11 @@ def _measure_world(ns: argparse.Namespace) -> int:
 
     given = [f for f, v in (("--rate", ns.rate), ("--rates", ns.rates), ("--intra-rate", ns.intra_rate),
                             ("--delay-ms", ns.delay_ms)) if v is not None]  # fmt: skip
+    if ns.shared_cores:
+        raise InvalidArgumentError(
+            "lowband plan --measure: every rank profiles at once, so cores shared by the ranks are "
+            "measured; --shared-cores is for a plan from the configured rates"
+        )
     if given:
         raise InvalidArgumentError(
             f"lowband plan: give the links once: --measure measures them, so not {' '.join(given)} "
@@ -185,7 +190,12 @@ def _plan(ns: argparse.Namespace) -> int:
     from lowband.group import Group
     from lowband.plan.measure import Probe, run_measured
 
-    def work(p: Probe, solo: Group) -> int:
+    def work(p: Probe, solo: Group, lead: bool) -> int:
+        if not lead:  # profiled at once on every rank: the cores are shared as in training
+            from lowband.plan.profile import measure_profile
+
+            measure_profile(ns.workload, batch_size=ns.batch_size, seed=ns.seed, group=solo)
+            return 0
         return _write_plan(ns, specs, world, p.links, p.to_json(), solo)
 
     return run_measured(work, wait_s=ns.time_limit + MEASURE_SLACK_S)

@@ -157,21 +157,23 @@ def launched_world() -> int | None:
         raise InvalidArgumentError(f"lowband plan --measure: WORLD_SIZE={size!r} is not an int") from e
 
 
-def run_measured(work: Callable[[Probe, Group], int], *, wait_s: float) -> int:
+def run_measured(work: Callable[[Probe, Group, bool], int], *, wait_s: float) -> int:
     """In a launched job: every rank joins (:func:`lowband.init`, every wait bounded by ``wait_s`` s)
-    and probes the links (:func:`probe`); rank 0 then runs ``work(probe, solo)`` (``solo``: a group of
-    rank 0 alone, for the profiler) while the others wait for it at a barrier (bounded too) and return 0.
-    Returns ``work``'s status on rank 0."""
+    and probes the links (:func:`probe`), then runs ``work(probe, solo, lead)`` at the same time as the
+    others (``solo``: a group of this rank alone, for the profiler; ``lead``: rank 0, which writes the
+    plan), and waits for the others at a barrier (bounded too). Returns ``work``'s status (rank 0's
+    is the plan's)."""
     import lowband
 
     lowband.init(timeout=wait_s)
     try:
         p = probe()
-        solo = lowband.new_group([0], name="plan-profile")
+        solos = [lowband.new_group([r], name=f"plan-profile-{r}") for r in range(lowband.size())]
+        solo = solos[lowband.rank()]
         status = 0
         try:
-            if solo is not None:
-                status = work(p, solo)
+            assert solo is not None
+            status = work(p, solo, lowband.rank() == 0)
         finally:
             lowband.barrier(name="plan-measure-done")
         return status
