@@ -157,3 +157,13 @@ def test_a_failed_change_is_recorded_and_keeps_the_old_rate() -> None:
         time.sleep(0.1)
     (rec,) = sched.applied
     assert rec["error"] == "tc said no" and sched._rates[1] == 1e8
+
+
+def test_results_md_names_the_changes() -> None:
+    from lowband.bench.report import drift_note
+
+    assert drift_note([]) == ""
+    rec = {"applied_s": 60.02, "at_bench_s": 39.75, "machine": 1, "old": "1 Gbit/s", "new": "10 Mbit/s"}
+    note = drift_note([rec, {**rec, "error": "tc said no"}])
+    assert "at 60.0 s after the launch (39.8 s on the steps' axis) machine m1 1 Gbit/s -> 10 Mbit/s" in note
+    assert "FAILED: tc said no" in note and "initial rates" in note
