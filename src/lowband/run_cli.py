@@ -23,8 +23,9 @@ from typing import Any, NoReturn
 
 from lowband.errors import InvalidArgumentError, LowbandError
 from lowband.testbed.links import DEFAULT_MTU, Layout, build_layout, check_mtu, parse_rate
+from lowband.testbed.schedule import add_rate_change_option, check_spec
 
-LINK_OPTIONS = ("rate", "rates", "ranks_per_machine", "intra_rate", "delay_ms", "mtu", "mode")
+LINK_OPTIONS = ("rate", "rates", "ranks_per_machine", "intra_rate", "delay_ms", "mtu", "mode", "rate_change")
 #: torchrun's options that only make sense without the testbed (it emulates every machine here)
 HOST_OPTIONS = (
     "nnodes",
@@ -179,6 +180,7 @@ def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
     )  # fmt: skip
     links = p.add_argument_group("emulated links (the testbed)")
     add_link_options(links)
+    add_rate_change_option(links)
     links.add_argument(
         "--grace", type=_seconds, default=10.0, metavar="SECONDS",
         help="after a rank fails, the others get SECONDS to end by themselves before they are stopped (default 10)",
@@ -331,7 +333,7 @@ def _main(argv: Sequence[str]) -> int:
         return run_script(
             layout, script, mode=ns.mode or "auto", mtu=ns.mtu, time_limit=ns.time_limit, report=ns.report,
             grace=ns.grace, env=env, log_dir=ns.log_dir, max_restarts=ns.max_restarts or 0,
-            keep_going=ns.keep_going, replacements=ns.replacements,
+            keep_going=ns.keep_going, replacements=ns.replacements, rate_change=ns.rate_change,
         )  # fmt: skip
     except KeyboardInterrupt:
         print("lowband run: interrupted; every rank stopped and the testbed removed", file=sys.stderr)
@@ -385,6 +387,7 @@ def layout_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) ->
             from lowband.testbed.delay import require_delay
 
             require_delay()
+        check_spec(getattr(ns, "rate_change", None), layout, ns.mode or "auto")
     except InvalidArgumentError as exc:
         parser.error(str(exc).replace("testbed rate: ", "--rates: ", 1).removeprefix("testbed "))
     except LowbandError as exc:  # the delay's missing packages: what to install, in one line

@@ -13,6 +13,7 @@ from lowband.bench.config import BenchConfig
 from lowband.errors import InvalidArgumentError, LowbandError
 from lowband.registry import Registry
 from lowband.run_cli import add_timeout, rate_arg
+from lowband.testbed.schedule import add_rate_change_option
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -71,6 +72,7 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
     )
     p.add_argument("--intra-rate", type=rate_arg, default=None, help="rate inside a machine (two-tier)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per rank (NFQUEUE delayer)")
+    add_rate_change_option(p)
     p.add_argument(
         "--mtu",
         type=int,
@@ -167,6 +169,7 @@ def config_from_args(ns: argparse.Namespace, cmd: str) -> BenchConfig:
         precision=ns.precision,
         comm_timeout=ns.timeout,
         out_dir=out,
+        rate_change=ns.rate_change,
         **extra,  # type: ignore[arg-type]
     )
 
@@ -254,6 +257,10 @@ def _bench(ns: argparse.Namespace) -> int:
         return 0
     cfg = config_from_args(ns, "bench")
     if ns.sweep_rates or ns.sweep_world_sizes:
+        if cfg.rate_change:
+            raise InvalidArgumentError(
+                "--rate-change goes with one bench, not with --sweep-rates/--sweep-world-sizes"
+            )
         try:
             rates = [rate_arg(r) for r in ns.sweep_rates.split(",")] if ns.sweep_rates else [cfg.rate]
         except argparse.ArgumentTypeError as e:

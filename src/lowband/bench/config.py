@@ -84,6 +84,9 @@ class BenchConfig:
     #: message sizes in bytes for the collectives mode; each timed ``reps`` times per round
     sizes: list[int] = field(default_factory=lambda: [1_000_000, 4_000_000, 16_000_000])
     reps: int = 5
+    #: link drift (``--rate-change``, :mod:`lowband.testbed.schedule`): "30s:m1=10mbit,...", seconds
+    #: after the ranks are launched
+    rate_change: str | None = None
 
     def layout(self) -> Layout:
         """The link layout this run asks for (pure: parses the rates, builds nothing)."""
@@ -112,6 +115,7 @@ class BenchConfig:
                 raise bad("give at least one collective")
             for spec in self.collectives:
                 check_collective(spec)  # the name and the options, by the op's schema
+            self._check_rate_change()
             if not self.sizes:
                 raise bad("give at least one message size")
             for v in self.sizes:
@@ -133,7 +137,15 @@ class BenchConfig:
                 f"rates has {len(self.rates)} entries; need one per machine ({self.world_size // self.ranks_per_machine})"
             )
         check_mtu("lowband bench", self.mtu)
-        self.layout()  # the rates parse (pure: nothing is built)
+        self._check_rate_change()
+
+    def _check_rate_change(self) -> None:
+        from lowband.testbed.schedule import check_spec
+
+        if self.rate_change:
+            check_spec(
+                self.rate_change, self.layout(), self.mode, "lowband bench: --rate-change", probe=False
+            )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

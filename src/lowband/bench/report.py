@@ -238,6 +238,24 @@ def bench_title(results: dict[str, Any]) -> str:
     return f"{raw.get('workload_name', cfg['workload'])}, {cfg['world_size']} ranks, {results['testbed']}"
 
 
+def drift_note(changes: list[dict[str, Any]]) -> str:
+    """The rate changes of a ``--rate-change`` run, for results.md (the table's bounds and efficiency
+    use the links' initial rates, and its figures mix rounds before and after the changes)."""
+    if not changes:
+        return ""
+    said = "; ".join(
+        f"at {c['applied_s']:.1f} s after the launch"
+        + (f" ({c['at_bench_s']:.1f} s on the steps' axis)" if "at_bench_s" in c else "")
+        + f" machine m{c['machine']} {c['old']} -> {c['new']}"
+        + (f" FAILED: {c['error']}" if "error" in c else "")
+        for c in changes
+    )
+    return (
+        f"\n\n**Link drift** (--rate-change): {said}. The table mixes rounds before and after; its bounds "
+        "and efficiency use the initial rates (per-round times: results.json, raw segments)."
+    )
+
+
 def results_markdown(results: dict[str, Any], *, redrawn: bool = False) -> str:
     """``results.md`` of a training run: what was run, the table (:func:`markdown_table`) and its legend;
     ``results`` is what ``results.json`` holds. ``redrawn``: written by :func:`replot`, which says so
@@ -266,6 +284,7 @@ def results_markdown(results: dict[str, Any], *, redrawn: bool = False) -> str:
             else "\n\n**UNSHAPED** (loopback): " + results.get("testbed_reason", results["testbed"])
         )
         + note
+        + drift_note(results.get("rate_changes") or [])
     )
     notes = legend(summary, raw["unit"], target_given=cfg.get("target_loss") is not None, shaped=shaped)
     return f"{header}\n\n{markdown_table(summary, raw['unit'])}\n\n{notes}\n"

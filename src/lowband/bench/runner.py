@@ -29,6 +29,7 @@ from lowband.errors import LowbandError
 from lowband.rank_main import RANK_MAIN, REPORT_DIR_ENV
 from lowband.testbed import Layout, Testbed
 from lowband.testbed.procs import wait_procs
+from lowband.testbed.schedule import check_spec, place_changes, schedule_for
 
 
 def link_shares(layout: Layout) -> list[Rates]:
@@ -102,9 +103,11 @@ def run_bench(
     cfg_path = out / "config.json"
     cfg.save(cfg_path)
     layout = cfg.layout()
+    check_spec(cfg.rate_change, layout, cfg.mode, "lowband bench: --rate-change")  # shaping available
     started = datetime.datetime.now().isoformat(timespec="seconds")
     reports = LaunchFolders(str(log_path), "lowband-bench")  # the ranks' reports; the logs are ours
     with Testbed(layout, mode=cfg.mode, mtu=cfg.mtu) as tb:
+        sched = schedule_for(tb, cfg.rate_change, "lowband bench")
         logs = [open(log_path / f"rank{r}.log", "w") for r in range(cfg.world_size)]  # noqa: SIM115
         try:
             stdouts: list[Any] = [subprocess.PIPE, *logs[1:]]
@@ -118,6 +121,8 @@ def run_bench(
                 stdout=stdouts,
                 stderr=logs,
             )
+            if sched is not None:
+                sched.start()  # time 0 of --rate-change: the launch of the ranks
             what = "collectives" if cfg.collectives is not None else Path(cfg.workload).name
             unit = "timing" if cfg.collectives is not None else "step"
             bar = tqdm(desc=f"bench {what}, {tb.label()}", unit=unit, disable=quiet, file=sys.stderr)
@@ -129,6 +134,7 @@ def run_bench(
             bar.set_postfix_str("ranks done: taking the testbed down, writing the results and plots")
             bar.close()
         finally:
+            changes = sched.stop() if sched is not None else []
             for f in logs:
                 f.close()
             said = read_reports(reports.reports)
@@ -144,10 +150,11 @@ def run_bench(
             )
         shaped, label = tb.shaped, tb.label()
     raw = json.loads((out / "raw.json").read_text())
+    changes = place_changes(changes, raw.get("epoch0"))
     link_rate = layout.bottleneck() if shaped else None
     rank_rates = link_shares(layout) if shaped else None
     if cfg.collectives is not None:
-        return _collectives_results(cfg, raw, out, started, label, shaped, link_rate, tb.reason)
+        return _collectives_results(cfg, raw, out, started, label, shaped, link_rate, tb.reason, changes)
     sharing = cfg.ranks_per_machine if shaped else cfg.world_size
     summary = summarize(
         raw,
@@ -171,6 +178,7 @@ def run_bench(
         "device": raw.get("device", "cpu"),
         "precision": raw.get("precision", cfg.precision),
         "testbed_reason": tb.reason,
+        "rate_changes": changes,
         "summary": summary,
         "raw": raw,
     }
@@ -196,6 +204,7 @@ def _collectives_results(
     shaped: bool,
     link_rate: float | None,
     reason: str,
+    changes: list[dict[str, Any]],
 ) -> dict[str, Any]:
     from lowband.bench.collectives import collectives_table, plot_collectives, summarize_collectives
 
@@ -208,6 +217,7 @@ def _collectives_results(
         "testbed": label,
         "shaped": shaped,
         "link_rate_bits": link_rate,
+        "rate_changes": changes,
         "summary": summary,
         "raw": raw,
     }

@@ -259,6 +259,7 @@ def run_worker(cfg: BenchConfig) -> dict[str, Any] | None:
             "precision": cfg.precision,
             "testbed_shaped": os.environ.get("LOWBAND_TESTBED_SHAPED", "0") == "1",
             "iface": os.environ.get("LOWBAND_TESTBED_IFNAME", "lo"),
+            "epoch0": epoch0,  # rank 0's perf_counter (CLOCK_MONOTONIC) at time 0 of starts/ends
         }
     )
     return out if r == 0 else None

@@ -82,8 +82,16 @@ def _parse_net_dev(text: str, ifname: str, where: str) -> tuple[int, int]:
     raise InvalidArgumentError(f"lowband.testbed.read_iface_bytes: no interface {ifname!r} in {where}")
 
 
-def _tbf(ns: str, dev: str, rate: float, mtu: int) -> None:
-    run_cmd(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *tbf_args(rate, mtu)])
+def _tbf(ns: str, dev: str, rate: float, mtu: int, verb: str = "add") -> None:
+    run_cmd(["tc", "-n", ns, "qdisc", verb, "dev", dev, "root", "tbf", *tbf_args(rate, mtu)])
+
+
+def reshape_link(bridge_ns: str, ns: str, machine: int, rate: float, mtu: int) -> None:
+    """Change machine ``machine``'s link (namespace ``ns``) to ``rate`` bits/s both ways while it carries
+    traffic: its uplink (``veth0``) and downlink (the bridge's port ``vmM``) tbf qdiscs are replaced in
+    place (``tc qdisc replace``: the same qdisc, new rate and burst; no link goes down)."""
+    _tbf(ns, RANK_IF, rate, mtu, "replace")
+    _tbf(bridge_ns, f"vm{machine}", rate, mtu, "replace")
 
 
 def write_hosts(ns: str, addresses: list[str]) -> None:

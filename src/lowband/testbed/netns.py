@@ -42,6 +42,7 @@ from lowband.testbed.namespaces import (
     build_links,
     netns_iface_bytes,
     read_iface_bytes,
+    reshape_link,
     shaping_available,
 )
 from lowband.testbed.procs import kill_group, start_procs, wait_procs
@@ -357,6 +358,12 @@ class Testbed:
         procs = start_procs(cmds, envs, stdout=stdout, stderr=stderr, what="lowband.testbed.spawn_machines")
         self.procs.extend(procs)
         return procs
+
+    def set_rate(self, machine: int, rate: float) -> None:
+        """Re-shape machine ``machine``'s link to ``rate`` bits/s both ways, ranks running (link drift)."""
+        if not self.shaped or not self._up:
+            raise LowbandError("lowband.testbed.set_rate: no shaped testbed is up")
+        reshape_link(self.bridge_ns, self.machine_ns(machine), machine, rate, self.mtu)
 
     def link_bytes(self) -> list[dict[str, int]]:
         """Per machine, the kernel's byte counters now: ``tx``/``rx`` of its link to the bridge and

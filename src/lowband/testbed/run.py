@@ -29,6 +29,7 @@ from lowband.rank_main import RANK_MAIN
 from lowband.testbed.links import Layout
 from lowband.testbed.netns import Testbed
 from lowband.testbed.procs import wait_procs
+from lowband.testbed.schedule import schedule_for
 from lowband.testbed.store_host import launcher_store
 
 #: seconds the other ranks get to finish (and print their own errors) after one rank failed (default)
@@ -67,6 +68,7 @@ def run_script(
     max_restarts: int = 0,
     keep_going: bool = False,
     replacements: int = 0,
+    rate_change: str | None = None,
 ) -> int:
     """Run ``python ARGV`` on every rank of ``layout`` in the testbed (through :mod:`lowband.rank_main`:
     ``ARGV`` is ``SCRIPT ARGS`` or ``-m MODULE ARGS``); print the link bytes; returns the exit status
@@ -84,7 +86,10 @@ def run_script(
     the run succeeds (0) when at least one rank ended successfully; the lost ranks are named on stderr,
     one line per distinct cause. ``replacements`` (with ``keep_going``): a rank that fails is started
     again, at most that many times in all, with ``LOWBAND_JOIN=1``: it joins the survivors at their next
-    exchange and takes its state from a live peer (:mod:`lowband.strategies.peer_join`)."""
+    exchange and takes its state from a live peer (:mod:`lowband.strategies.peer_join`).
+
+    ``rate_change``: a ``--rate-change`` schedule (:mod:`lowband.testbed.schedule`), its times counted
+    from the first launch of the ranks; each change applied is logged and goes in ``report``."""
     out = out or sys.stdout
     limit = math.inf if time_limit is None else time_limit
     folders = LaunchFolders(log_dir, "lowband-run")
@@ -96,6 +101,9 @@ def run_script(
             hosted = stack.enter_context(launcher_store(tb)) if keep_going else None
             if hosted is not None:
                 tb.store_env = hosted.env
+            sched = schedule_for(tb, rate_change, "lowband run")
+            if sched is not None:
+                stack.callback(sched.stop)  # before the testbed goes down, whatever happens
             before = tb.link_bytes()
             run_id = f"lowband-run-{os.getpid()}-{int(time.time())}"
             attempt, started = 0, time.monotonic()
@@ -106,6 +114,8 @@ def run_script(
                     "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
                 }  # fmt: skip
                 procs = tb.spawn([sys.executable, RANK_MAIN, *argv], env=rank_env)
+                if sched is not None and attempt == 0:
+                    sched.start()  # the schedule's time 0: the first launch
                 timed_out, stopped, killed, ended_at = "", list[int](), list[int](), dict[int, float]()
 
                 def replace(r: int, code: int, rank_env: dict[str, str] = rank_env) -> Any:
@@ -142,6 +152,7 @@ def run_script(
                 )
                 attempt += 1
             after = tb.link_bytes()
+            changes = sched.stop() if sched is not None else []
             label, shaped = tb.label(), tb.shaped
         _print_bytes(layout, label, shaped, before, after, out)
         ends = ends_of_codes(codes, ended_at, killed)
@@ -162,7 +173,7 @@ def run_script(
                              f"successfully; lost: {rank_list(list(ends))}")  # fmt: skip
             print("\n".join(lines), file=sys.stderr)
         if report:
-            _write_report(Path(report), label, shaped, layout, codes, before, after)
+            _write_report(Path(report), label, shaped, layout, codes, before, after, changes)
         if replaced and not ends:
             print(f"lowband run: replaced {', '.join(f'rank {r} (status {c})' for r, c in replaced)}; every rank "
                   "ended successfully", file=sys.stderr)  # fmt: skip
@@ -200,11 +211,14 @@ def _write_report(
     codes: list[int],
     before: list[dict[str, int]],
     after: list[dict[str, int]],
+    changes: list[dict[str, Any]],
 ) -> None:
     machines: list[dict[str, Any]] = []
     k = layout.ranks_per_machine
     for m, (b, a) in enumerate(zip(before, after)):
         delta = {key: a[key] - b[key] for key in ("tx", "rx", "local")}
         machines.append({"machine": m, "ranks": list(range(m * k, m * k + k)), **delta})
-    data = {"testbed": label, "shaped": shaped, "exit_codes": codes, "machines": machines}
+    data = {
+        "testbed": label, "shaped": shaped, "exit_codes": codes, "machines": machines, "rate_changes": changes,
+    }  # fmt: skip
     path.write_text(json.dumps(data, indent=1))
