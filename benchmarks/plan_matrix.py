@@ -137,6 +137,7 @@ def main(argv: list[str]) -> int:
         "--work", default=None, help="where the plans and benches go (default: a temporary folder)"
     )
     p.add_argument("--list", action="store_true", help="print the cells and exit")
+    p.add_argument("--again", action="store_true", help="measure cells whose results exist in OUT_DIR again")
     p.add_argument(
         "--configured", action="store_true", help="plan from the configured rates, not measured links"
     )
@@ -155,9 +156,14 @@ def main(argv: list[str]) -> int:
     work = Path(ns.work or tempfile.mkdtemp(prefix="plan-matrix-"))
     rows = []
     for name in tqdm(chosen, desc="plan matrix", unit="cell"):
+        done = out / f"{name}.json"
+        if done.exists() and not ns.again:  # a cell already measured (an interrupted run resumes)
+            rows.append(json.loads(done.read_text()))
+            continue
         w, links = all_cells[name]
         row = run_cell(name, w, links, work, ns.rounds, ns.steps, not ns.configured)
-        (out / f"{name}.json").write_text(json.dumps(row, indent=1) + "\n")
+        row["rounds"], row["steps_per_round"] = ns.rounds, ns.steps
+        done.write_text(json.dumps(row, indent=1) + "\n")
         rows.append(row)
     top = [
         c["error"] for r in rows for s, c in r["comparison"].items() if s != "auto" and c["error"] is not None
