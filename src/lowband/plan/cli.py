@@ -191,12 +191,8 @@ def _plan(ns: argparse.Namespace) -> int:
     from lowband.plan.measure import Probe, run_measured
 
     def work(p: Probe, solo: Group, lead: bool) -> int:
-        if not lead:  # profiled at once on every rank: the cores are shared as in training
-            from lowband.plan.profile import measure_profile
-
-            measure_profile(ns.workload, batch_size=ns.batch_size, seed=ns.seed, group=solo)
-            return 0
-        return _write_plan(ns, specs, world, p.links, p.to_json(), solo)
+        # every rank profiles and predicts at once (its cores shared as in training); rank 0 writes
+        return _write_plan(ns, specs, world, p.links, p.to_json(), solo, write=lead)
 
     return run_measured(work, wait_s=ns.time_limit + MEASURE_SLACK_S)
 
@@ -208,8 +204,10 @@ def _write_plan(
     links: Any,
     measured: dict[str, Any],
     group: Any = None,
+    write: bool = True,
 ) -> int:
-    """Profile the workload, predict every spec on ``links``, write and print the plan."""
+    """Profile the workload, predict every spec on ``links``, write and print the plan (``write``
+    False: the profile and predictions only, beside the rank that writes)."""
     import torch
     from tqdm import tqdm
 
@@ -223,7 +221,7 @@ def _write_plan(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each bench rank computes
     started = time.perf_counter()
-    bar = tqdm(total=4 + len(specs), desc="lowband plan", unit="step", file=sys.stderr)
+    bar = tqdm(total=4 + len(specs), desc="lowband plan", unit="step", file=sys.stderr, disable=not write)
     try:
 
         def say(what: str) -> None:
@@ -249,6 +247,8 @@ def _write_plan(
     finally:
         bar.close()
         torch.set_num_threads(threads)
+    if not write:
+        return 0
     recommended = planner.recommend(ranked, accept)
     plan = {
         "workload": ns.workload,

@@ -1,8 +1,8 @@
 """The parts of ``auto`` (:mod:`lowband.strategies.auto`) that plan, build and replace its choice.
 
-- :func:`choose`: rank 0 predicts the candidates on the profile and links and decides; every rank takes
-  its text (one exchange), so every rank builds the same strategy even though each rank's timing of the
-  compressors would differ. A candidate only replaces the current choice when predicted ``min_gain``
+- :func:`choose`: every rank predicts the candidates on the profile and links (so the compressors are
+  timed beside the other ranks' work, as they run in training where ranks share cores) and rank 0's
+  decision is every rank's (one exchange of its text): each rank's timings differ, the choice may not. A candidate only replaces the current choice when predicted ``min_gain``
   faster than it on the same links (switching costs a consensus and a rebuild).
 - :class:`FirstForward`: the module a loop calls before the choice (the first training forward chooses).
 - :func:`switch`: between steps, every rank alike. The current strategy finishes what is in flight;
@@ -158,12 +158,12 @@ def choose(auto: AutoStrategy, links: Links, current: str | None, reason: str) -
     from lowband.strategies.digest import exchange_text
 
     g = auto.group
-    text = ""
-    if g.rank == 0:
-        try:
-            text = json.dumps({"decision": _decide(auto, links, current, reason)})
-        except InvalidArgumentError as e:
-            text = json.dumps({"error": str(e)})
+    # every rank predicts (the operations it times run beside the others', as in training, where ranks
+    # share cores), rank 0's decision is every rank's
+    try:
+        text = json.dumps({"decision": _decide(auto, links, current, reason)})
+    except InvalidArgumentError as e:
+        text = json.dumps({"error": str(e)})
     if g.size > 1:
         timeout = runtime_current(auto._where).config.timeout
         text = exchange_text(g, text, f"{auto._where}: the plan's choice", timeout)[0]
