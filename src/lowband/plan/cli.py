@@ -190,9 +190,9 @@ def _plan(ns: argparse.Namespace) -> int:
     from lowband.group import Group
     from lowband.plan.measure import Probe, run_measured
 
-    def work(p: Probe, solo: Group, lead: bool) -> int:
+    def work(p: Probe, group: Group, lead: bool) -> int:
         # every rank profiles and predicts at once (its cores shared as in training); rank 0 writes
-        return _write_plan(ns, specs, world, p.links, p.to_json(), solo, write=lead)
+        return _write_plan(ns, specs, world, p.links, p.to_json(), group, write=lead)
 
     return run_measured(work, wait_s=ns.time_limit + MEASURE_SLACK_S)
 

@@ -159,21 +159,18 @@ def launched_world() -> int | None:
 
 def run_measured(work: Callable[[Probe, Group, bool], int], *, wait_s: float) -> int:
     """In a launched job: every rank joins (:func:`lowband.init`, every wait bounded by ``wait_s`` s)
-    and probes the links (:func:`probe`), then runs ``work(probe, solo, lead)`` at the same time as the
-    others (``solo``: a group of this rank alone, for the profiler; ``lead``: rank 0, which writes the
-    plan), and waits for the others at a barrier (bounded too). Returns ``work``'s status (rank 0's
-    is the plan's)."""
+    and probes the links (:func:`probe`), then runs ``work(probe, world, lead)`` with the others
+    (``world``: the job's group, on which the profile is collective, every rank computing at once;
+    ``lead``: rank 0, which writes the plan), and waits for the others at a barrier (bounded too).
+    Returns ``work``'s status (rank 0's is the plan's)."""
     import lowband
 
     lowband.init(timeout=wait_s)
     try:
         p = probe()
-        solos = [lowband.new_group([r], name=f"plan-profile-{r}") for r in range(lowband.size())]
-        solo = solos[lowband.rank()]
         status = 0
         try:
-            assert solo is not None
-            status = work(p, solo, lowband.rank() == 0)
+            status = work(p, lowband.world(), lowband.rank() == 0)
         finally:
             lowband.barrier(name="plan-measure-done")
         return status

@@ -35,7 +35,7 @@ def bucket_profile(
     cost: CostProfile, buckets: Sequence[Sequence[int]], comm: Callable[[int], float]
 ) -> CostProfile:
     """A profile whose layers are ``buckets`` (summed forward, backward and bytes; ``comm(k)``: seconds
-    bucket ``k`` holds the link, compression included)."""
+    bucket ``k`` holds the link, compression included), with ``cost``'s measured interference."""
     layers = []
     for k, b in enumerate(buckets):
         ls = [cost.layers[i] for i in b]
@@ -48,12 +48,14 @@ def bucket_profile(
                 sum(lc.nbytes for lc in ls),
             )
         )
-    return CostProfile(tuple(layers))
+    return CostProfile(tuple(layers), kappa=cost.kappa, sigma=cost.sigma)
 
 
 def overlapped_exposed(
     cost: CostProfile, buckets: Sequence[Sequence[int]], comm: Callable[[int], float]
 ) -> float:
-    """Seconds of bucket communication not hidden behind backward (>= 0)."""
+    """Seconds of bucket communication not hidden behind backward (>= 0); with interference (``cost.kappa``,
+    ``cost.sigma``: ranks sharing cores, measured by a profile on every rank at once) the backward it
+    slows is counted here too."""
     bp = bucket_profile(cost, buckets, comm)
     return max(0.0, iteration_time(bp, range(bp.L)) - bp.fwd_total - bp.bwd_total)

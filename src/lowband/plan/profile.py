@@ -171,6 +171,8 @@ class PlanProfile:
             "layers": [lc.to_json() for lc in self.cost.layers],
             "shapes": [[list(sh) for sh in layer] for layer in self.shapes],
             "elem_sizes": list(self.elem_sizes),
+            "kappa": self.cost.kappa,
+            "sigma": self.cost.sigma,
             "operations": self.ops.to_json(),
         }
 
@@ -186,7 +188,8 @@ class PlanProfile:
             elem = tuple(int(v) for v in d["elem_sizes"])
             out = cls(
                 workload=str(d["workload"]), batch_size=int(d["batch_size"]),
-                cost=CostProfile(layers, 0.0, 0.0), shapes=shapes, elem_sizes=elem,
+                cost=CostProfile(layers, 0.0, 0.0, float(d.get("kappa", 0.0)), float(d.get("sigma", 0.0))),
+                shapes=shapes, elem_sizes=elem,
                 step_s=float(d["step_ms"]) / 1e3, ops=OpCosts(scale=float(d.get("compute_scale", 1.0))),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
@@ -222,8 +225,9 @@ def measure_profile(
     group: Group | None = None,
 ) -> PlanProfile:
     """Profile ``workload`` (a registered name or ``module:factory``) in this process (module doc).
-    ``group``: the profiler's group when lowband is initialised (a group of this rank alone: the
-    profiler's collectives then wait for no other rank); without lowband, a world of one."""
+    ``group``: the profiler's group when lowband is initialised (collective: every rank of it profiles at
+    once, as the ranks of a job compute, and with more than one rank the interference is measured too);
+    without lowband, a world of one."""
     import lowband
     from lowband.bench.workloads import get_workload
     from lowband.runtime import is_initialized
@@ -243,6 +247,7 @@ def measure_profile(
         return profile_module(
             model, lambda m: w.loss(m, batch), w.make_optimizer, name=workload, batch_size=bs,
             group=group, compute_scale=compute_scale, repeats=repeats, progress=say, own_model=True,
+            interference=group is not None and group.size > 1,
         )  # fmt: skip
     finally:
         if not started:
@@ -261,21 +266,26 @@ def profile_module(
     repeats: int = 5,
     progress: Callable[[str], None] | None = None,
     own_model: bool = False,
+    interference: bool = False,
 ) -> PlanProfile:
     """The plan profile of ``model`` on the batch of ``loss_fn`` (module doc). Every rank of ``group``
-    calls it: the layer times are the slowest rank's (:func:`~lowband.localsgd.profiler.profile_model`),
-    the link fit is dropped (the planner's links come from elsewhere). The model is left unchanged: the
-    optimizer step is timed on a copy of it unless ``own_model`` (a model made for profiling only)."""
+    calls it: the ranks compute at once and the layer times are the slowest rank's
+    (:func:`~lowband.localsgd.profiler.profile_model`), the link fit is dropped (the planner's links come
+    from elsewhere); with ``interference`` the slowdown of computation and communication running at once
+    (``kappa``, ``sigma``: large where ranks share cores) is measured and kept. The model is left
+    unchanged: the optimizer step is timed on a copy of it unless ``own_model`` (a model made for
+    profiling only)."""
     from lowband.localsgd.costmodel import CostProfile, LayerCost
     from lowband.localsgd.profiler import profile_model
 
     say = progress or (lambda _: None)
     say("profiling the layers")
     layers = parameter_layers(model)
-    cost = profile_model(model, loss_fn, group=group, repeats=repeats, interference=False)
+    cost = profile_model(model, loss_fn, group=group, repeats=repeats, interference=interference)
     cost = CostProfile(
-        tuple(LayerCost(lc.name, lc.fwd, lc.bwd, 0.0, lc.nbytes) for lc in cost.layers), 0.0, 0.0
-    )
+        tuple(LayerCost(lc.name, lc.fwd, lc.bwd, 0.0, lc.nbytes) for lc in cost.layers),
+        0.0, 0.0, cost.kappa, cost.sigma,
+    )  # fmt: skip
     say("timing the optimizer step")
     timed = model if own_model else copy.deepcopy(model)
     opt = make_optimizer(timed.parameters())

@@ -72,7 +72,9 @@ def resolve_profile(
             raise InvalidArgumentError(f"{where}: cannot read the profile {str(profile)!r}: {e}") from None
         return PlanProfile.from_json(data.get("profile", data) if isinstance(data, dict) else data, where)
     assert probe is not None
-    return profile_module(model, probe, make_optimizer, name="auto", batch_size=0, group=group)
+    return profile_module(
+        model, probe, make_optimizer, name="auto", batch_size=0, group=group, interference=group.size > 1
+    )
 
 
 def profile_text(profile: PlanProfile) -> str:
