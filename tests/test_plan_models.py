@@ -266,3 +266,23 @@ def test_new_models_never_negative_and_free_at_one_rank(spec: str) -> None:
 def test_unmodelled_topologies() -> None:
     assert predict_spec("atc:topology=inner-outer-exp2", profile(), LINKS) is None
     assert predict_spec("hierarchical-atc", profile(), LINKS) is None
+
+
+def test_measured_interference_is_counted_by_the_overlap_models() -> None:
+    from lowband.plan.overlap import overlapped_exposed
+
+    quiet = profile()
+    cost = quiet.cost.with_interference(2.0, 2.0)  # computation and averaging each 3x slower together
+    loud = PlanProfile("synthetic", 8, cost, quiet.shapes, quiet.elem_sizes, quiet.step_s, FixedOps())
+    buckets = [[0], [1]]
+    for bw in (12.5e6, 125e6):
+        links = Links(4, bw)
+        a = overlapped_exposed(quiet.cost, buckets, lambda k: links.allreduce(quiet.cost.layers[k].nbytes))
+        b = overlapped_exposed(cost, buckets, lambda k: links.allreduce(cost.layers[k].nbytes))
+        assert b > a
+    for spec in ("ddp", "dreamddp:period=5"):
+        p, q = predict_spec(spec, quiet, LINKS), predict_spec(spec, loud, LINKS)
+        assert p is not None and q is not None and q.iteration_s > p.iteration_s
+    # what lowband plan writes and auto saves carries it
+    back = PlanProfile.from_json(loud.to_json())
+    assert (back.cost.kappa, back.cost.sigma) == (2.0, 2.0)
