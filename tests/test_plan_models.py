@@ -277,8 +277,10 @@ def test_measured_interference_is_counted_by_the_overlap_models() -> None:
     buckets = [[0], [1]]
     for bw in (12.5e6, 125e6):
         links = Links(4, bw)
-        a = overlapped_exposed(quiet.cost, buckets, lambda k: links.allreduce(quiet.cost.layers[k].nbytes))
-        b = overlapped_exposed(cost, buckets, lambda k: links.allreduce(cost.layers[k].nbytes))
+        a = overlapped_exposed(
+            quiet.cost, buckets, lambda k, ln=links: ln.allreduce(quiet.cost.layers[k].nbytes)
+        )
+        b = overlapped_exposed(cost, buckets, lambda k, ln=links: ln.allreduce(cost.layers[k].nbytes))
         assert b > a
     for spec in ("ddp", "dreamddp:period=5"):
         p, q = predict_spec(spec, quiet, LINKS), predict_spec(spec, loud, LINKS)
