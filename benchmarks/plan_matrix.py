@@ -64,7 +64,7 @@ def run_cell(
 ) -> dict[str, Any]:
     cores = str(os.cpu_count() or 1)
     plan_dir, bench_dir = work / name / "plan", work / name / "bench"
-    common = ["-w", workload, "--out", str(plan_dir)]
+    common = ["-w", workload, "--out", str(plan_dir), "--time-limit", "300"]
     if measured:  # the launcher takes the links; the plan measures them, and its ranks share the cores
         rpm = links[links.index("--ranks-per-machine") :] if "--ranks-per-machine" in links else []
         lowband("run", "-n", "4", *links, "-m", "lowband", "plan", "--measure", *rpm, *common)
