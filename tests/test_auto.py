@@ -332,3 +332,23 @@ def test_the_bench_gives_auto_a_probe_and_no_other_strategy() -> None:
     assert wants_probe("auto", {})
     assert not wants_probe("auto", {"profile": "plan.json"})
     assert not wants_probe("ddp", {})
+
+
+def test_a_strategy_taking_over_a_run_gets_its_mid_run_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lowband.strategies import registry
+    from lowband.strategies.ddp import PowerSGDStrategy
+
+    seen: list[dict[str, Any]] = []
+    monkeypatch.setattr(registry, "make_strategy", lambda name, *a, **kw: seen.append(kw))
+
+    class Fake:
+        steps, local_module, _make, group, _nonfinite, _accumulate = 0, None, None, None, "raise", 1
+
+    fake: Any = Fake()
+    auto_switch.build(fake, "powersgd:rank=1")
+    fake.steps = 5
+    auto_switch.build(fake, "powersgd:rank=1")
+    auto_switch.build(fake, "powersgd:rank=1,start_iter=7")
+    assert "start_iter" not in seen[0]  # the first build trains from the first step: torch's warm-up
+    assert seen[1]["start_iter"] == PowerSGDStrategy.mid_run_options["start_iter"] == 2
+    assert seen[2]["start_iter"] == 7  # the spec's own option wins

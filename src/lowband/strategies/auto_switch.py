@@ -177,10 +177,14 @@ def choose(auto: AutoStrategy, links: Links, current: str | None, reason: str) -
 
 
 def build(auto: AutoStrategy, spec: str) -> Strategy:
-    """``spec`` built on the auto strategy's model, optimizer factory and group (collective)."""
-    from lowband.strategies.registry import make_strategy, parse_strategy_spec
+    """``spec`` built on the auto strategy's model, optimizer factory and group (collective); after the
+    first step, with the strategy's :attr:`~lowband.strategies.Strategy.mid_run_options` under the
+    spec's own."""
+    from lowband.strategies.registry import STRATEGIES, make_strategy, parse_strategy_spec
 
     name, options = parse_strategy_spec(spec)
+    if auto.steps > 0:
+        options = {**getattr(STRATEGIES.get(name), "mid_run_options", {}), **options}
     inner = make_strategy(
         name, auto.local_module, auto._make, auto.group,
         broadcast_init=False, on_nonfinite=auto._nonfinite, accumulate=auto._accumulate, **options,

@@ -316,6 +316,9 @@ class Strategy(GradientPolicies):
     # -- the cost model (lowband plan) -----------------------------------------------------------------
     #: the settings ``lowband plan`` predicts by default, each ``key=value,...`` ("": the defaults)
     plan_grid: ClassVar[tuple[str, ...]] = ("",)
+    #: options for a strategy that takes over a run in progress (``auto``'s switch), where a warm-up
+    #: meant for the first steps of training has served its purpose; a spec's own options win
+    mid_run_options: ClassVar[dict[str, Any]] = {}
 
     @classmethod
     def predict(cls, profile: PlanProfile, links: Links, options: Mapping[str, Any]) -> Prediction | None:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
@@ -323,6 +323,9 @@ class PowerSGDStrategy(DDPStrategy):
     unscale_per_unit = True
     agree_found_inf = True
     carry_nonfinite = False  # PowerSGD's error memory must never see a NaN: zeroed and agreed
+    # taking over a run in progress, the plain-allreduce warm-up (torch's start_powerSGD_iter, for the
+    # first steps of training) would send the dense gradient over a link chosen for its slowness
+    mid_run_options: ClassVar[dict[str, Any]] = {"start_iter": 2}
 
     def __init__(
         self,
