@@ -49,7 +49,18 @@ def main(argv: list[str]) -> int:
     rows = totals(results)
     key = next((k for k in results["summary"]["strategies"] if k.partition(":")[0] == "auto"), "auto")
     report = results["summary"]["strategies"].get(key, {}).get("report", {}).get("auto", {})
-    keep = ("reason", "step", "spec", "recommended", "predicted_ms", "current_ms", "why", "carried")
+    keep = (
+        "reason",
+        "step",
+        "spec",
+        "recommended",
+        "predicted_ms",
+        "current_ms",
+        "why",
+        "carried",
+        "replan_s",
+        "switch_s",
+    )
     decisions = [{k: d[k] for k in keep if k in d} for d in report.get("history", [])]
     doc = {"rate_changes": results.get("rate_changes", []), "strategies": rows, "auto_decisions": decisions}
     Path(argv[1]).write_text(json.dumps(doc, indent=1) + "\n")

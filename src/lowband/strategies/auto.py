@@ -207,6 +207,7 @@ class AutoStrategy(Strategy):
     def replan(self, reason: str, links: Links | None = None) -> bool:
         """Collective, between steps, every rank alike: re-measure the links (or take ``links``), re-plan
         and switch when another choice is predicted ``min_gain`` faster. Returns whether it switched."""
+        t0 = time.perf_counter()
         self.chosen().synchronize()
         new_links = links or self._links_given or auto_switch.measure(self.group)
         decision = auto_switch.choose(self, new_links, self.spec, reason)
@@ -214,11 +215,13 @@ class AutoStrategy(Strategy):
         if self.watch is not None:
             self.watch.reset()
         self._window, self._since = [], 0
-        decision["step"] = self.steps
+        decision["step"], decision["replan_s"] = self.steps, time.perf_counter() - t0
         switch = bool(decision["spec"] != self.spec)
         log.info("auto on rank %d at step %d (%s): %s", self.group.rank, self.steps, reason, decision["why"])
         if switch:
+            t0 = time.perf_counter()
             decision["carried"] = auto_switch.switch(self, decision["spec"])
+            decision["switch_s"] = time.perf_counter() - t0
         self.history.append(decision)
         return switch
 
