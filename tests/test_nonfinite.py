@@ -28,8 +28,9 @@ VALUES = {"nan": math.nan, "inf": math.inf}
 #: strategies whose step sees only DDP's averaged gradients (sparse buckets: no per-rank check)
 AVERAGED = {"ddp-sparse"}
 #: local-step strategies: the ranks agree asynchronously (raised at a later step, or by synchronize()),
-#: and under skip only the rank that held the value drops its local step
-DEFERRED = {"localsgd", "diloco"}
+#: and under skip only the rank that held the value drops its local step (dreamddp and its variants,
+#: stepping layers in backward: the units that held it, zeroed before their layers were stepped)
+DEFERRED = {"localsgd", "diloco", "dreamddp", "plsgd-enp", "flsgd-overlap"}
 #: auto takes its choice's policy: among the compressed ones, whichever is fastest here
 OPTIONS: dict[str, dict[str, Any]] = {"auto": {"only": "compressed"}}
 

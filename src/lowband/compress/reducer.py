@@ -37,8 +37,9 @@ from lowband.compress.base import (
 from lowband.compress.memory import MEMORIES, Memory, NoMemory, Segments
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
-from lowband.optim.nonfinite import poison_
+from lowband.optim.finite import poison_
 from lowband.optim.reducer import ReduceContext, Reducer, Timings, Unit
+from lowband.optim.scaling import check_scaled_, exact_scale
 from lowband.options import Opt, Options
 from lowband.registry import Registry
 
@@ -225,6 +226,14 @@ class AllreduceCompressedReducer(CompressedReducer):
 
         def finish(summed: Tensor) -> Tensor:
             out = self.decode(Payload((summed,), payload.numel, payload.dtype), cctx)
+            if self.average_tells(n) and out.numel():
+                # the division by n (exact) checks the average in the same pass: its first element made
+                # NaN when any is not finite, so the non-finite guard reads one element, not all
+                poison_(out, check_scaled_([out], 1.0 / n))
+                return out
             return out.div_(n) if n > 1 else out
 
         return h.map(finish)
+
+    def average_tells(self, size: int) -> bool:
+        return exact_scale(size) and size > 1

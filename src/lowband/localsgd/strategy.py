@@ -309,8 +309,9 @@ class PartialSyncStrategy(ScheduledStrategy, StepwisePeerLoss):
         )
 
     def synchronize(self) -> None:
-        """Wait for every in-flight averaging."""
+        """Wait for every in-flight averaging, then read the non-finite agreements still in flight."""
         self.averager.wait_all()
+        super().synchronize()
 
     def in_sync(self) -> bool:
         """True when the last step averaged every layer (H = 1, or ``full`` at the end of a period)."""

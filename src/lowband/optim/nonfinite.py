@@ -5,8 +5,9 @@ Where the check runs (always device-side, fused with work already done, no host 
 
 - on a gradient stage (:class:`~lowband.optim.stage.GradientStage`: every reducer, compressor, sketch,
   SlimGC, the layer-stepping strategies), per unit, right before the unit is handed to its reducer (or
-  stepped): :func:`lowband.optim.scaling.zero_nonfinite_`, the fused kernel fp16 unscaling already runs,
-  with a scale of 1. A unit holding inf/NaN on this rank is zeroed there, so no reducer, compressor,
+  stepped; a plain average's unit inside its reduction, below): :func:`lowband.optim.scaling.zero_nonfinite_`,
+  the fused kernel fp16 unscaling already runs, with a scale of 1 (on the CPU, where a host decision is
+  free, one sum per gradient, confirmed element-wise only when not finite). A unit holding inf/NaN on this rank is zeroed there, so no reducer, compressor,
   error-feedback residual or layer step ever sees the value, and its flag is remembered (one 1-element
   tensor per unit, on the device);
 - the gradients the stages do not cover (torch DDP's, local SGD's, the decentralized strategies' local
@@ -20,7 +21,14 @@ The flag rides the data where the data is an average. A unit reduced by a plain 
 gradients (``AllreduceReducer`` on a stage that steps after the whole backward; torch DDP's buckets,
 checked in lowband's allreduce comm hook) holds no state a NaN could poison, and the sum carries any
 rank's NaN or infinity to every rank: such a unit is checked (``carried=True``) but not zeroed, and its
-averaged gradients, identical on every rank, are checked again in :meth:`NonFiniteGuard.decide`. When
+averaged gradients, identical on every rank, are checked again in :meth:`NonFiniteGuard.decide`. Where
+the group size is a power of two both reads are (almost) free: the unit is divided by the group size
+*before* the sum (bit for bit the same average) by torch's fused check-and-scale kernel
+(:func:`~lowband.optim.scaling.check_scaled_`, which takes what ``div_`` alone takes), so this rank's
+check rides a pass the reduction makes anyway; a sum of values divided first cannot overflow, so a
+flagged unit's first element, made NaN before the sum is issued (:func:`poison_`), tells every rank by
+one element of its average (:meth:`NonFiniteGuard.ride_`). Other group sizes read the unit before and
+its average after. When
 everything a strategy checks is carried (:attr:`NonFiniteGuard.rides_data`, set by the strategy), the
 exchange above is skipped on the clean steps; a non-finite average, seen alike by every rank, then runs
 the exchange once to name the ranks whose own gradients held it (none: the sum overflowed).
@@ -39,13 +47,18 @@ By the policy (the ``on_nonfinite`` option of every strategy):
 Local steps (``localsgd``, ``diloco`` with ``inner=local``: each rank steps its own replica between
 exchanges, and no gradient stage is attached; :attr:`NonFiniteGuard.deferred`): a rank's gradients are
 checked on the host as above, and when non-finite they are dropped, so its local step updates nothing
-(its parameters stay finite, and any averaging inside the step runs on every rank alike). No step waits
+(its parameters stay finite, and any averaging inside the step runs on every rank alike). ``dreamddp``
+(and ``plsgd-enp``, ``flsgd-overlap``) steps each layer during backward and averages some layers inside
+every step, so the step as a whole cannot be dropped (layers stepped earlier in that backward keep
+their update); each unit is checked on its layerwise stage before its layer is stepped, and a flagged
+unit is zeroed there, so its layer step sees a zero gradient (momentum and weight decay, if any, still
+apply: finite) and no averaging or optimizer state ever sees the value. No step waits
 for the others: under ``raise`` the flags are allreduced asynchronously and read ``MAX_PENDING`` steps
 later (on a WAN an allreduce of a few bytes takes several round trips, longer than a step), or in
 ``synchronize`` or ``state_dict`` if those come first; every rank reads them at the same step and
-raises there, naming the rank and the step (so no rank enters an exchange that another, having raised,
-will not join; an exchange never waits for them). Under ``skip`` nothing is
-exchanged and only the rank that held the value drops its step (``skipped`` counts this rank's).
+raises there, naming the rank, the unit or parameter, and the step (so no rank enters an exchange that
+another, having raised, will not join; an exchange never waits for them). Under ``skip`` nothing is
+exchanged and only the rank that held the value drops it (``skipped`` counts this rank's steps).
 
 With an fp16 ``GradScaler`` (:mod:`lowband.optim.scaling`) overflows are the scaler's to handle (it
 skips the step everywhere and backs the scale off): the guard steps aside. ``LOWBAND_CHECK_FINITE=off``
@@ -56,7 +69,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +78,7 @@ from lowband.comm.collectives import allreduce, iallreduce
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError, NonFiniteError
 from lowband.group import Group
-from lowband.optim.scaling import zero_nonfinite_
+from lowband.optim.finite import any_nonfinite, flag_, poison_
 
 if TYPE_CHECKING:
     from lowband.optim.stage import GradientStage
@@ -129,7 +141,8 @@ class NonFiniteGuard:
         #: agreed asynchronously, a few steps late (module docstring, "Local steps")
         self.deferred = False
         #: local steps' agreements in flight, oldest first: handle, step, this rank's bad parameter
-        self._pending: collections.deque[tuple[Handle[Tensor], int, str]] = collections.deque()
+        #: outside the stages, the stages' unit labels in check order
+        self._pending: collections.deque[tuple[Handle[Tensor], int, str, list[str]]] = collections.deque()
         #: how :meth:`settle` waits for an agreement in flight (None: ``handle.wait()``); a strategy with
         #: a heartbeat beats meanwhile (:mod:`lowband.strategies.peer_loss`)
         self.waiter: Callable[[Handle[Tensor]], Tensor] | None = None
@@ -164,29 +177,41 @@ class NonFiniteGuard:
         carried: bool = False,
         zero: bool = True,
         sentinel: bool = False,
+        tells: bool = False,
     ) -> Tensor | None:
         """One unit: flag (and zero) inf/NaN on the device, no host synchronisation; returns the flag.
         ``carried``: the unit's average, about to be computed, carries the value to every rank (module
         docstring); ``zero=False`` leaves the gradients as they are (a stateless average).
         ``sentinel`` (one carried tensor, averaged as a sum of terms already divided by the group size,
         which cannot overflow): a flagged tensor's first element is made NaN too, so that the average's
-        first element alone tells whether any rank's tensor held inf/NaN."""
+        first element alone tells whether any rank's tensor held inf/NaN. ``tells``: the reducer makes
+        the average's first element so itself (:meth:`Reducer.average_tells
+        <lowband.optim.reducer.Reducer.average_tells>`)."""
         if not self.enabled or not grads:
             return None
         if carried and len({g.device for g in grads}) == 1:
-            flag = _flag(grads, zero=zero, ones=self._ones)
+            flag = flag_(grads, zero=zero, ones=self._ones)
             sentinel = sentinel and len(grads) == 1 and grads[0].numel() > 0
             if sentinel:
                 poison_(grads[0], flag)
-            self._carried.append((label, list(grads), flag, sentinel))
+            tells = tells and grads[0].numel() > 0
+            self._carried.append((label, list(grads), flag, sentinel or tells))
             return flag
         by_device: dict[torch.device, list[Tensor]] = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
         for gs in by_device.values():
-            self._flags.append(_flag(gs, zero=True, ones=self._ones))
+            self._flags.append(flag_(gs, zero=True, ones=self._ones))
             self._labels.append(label)
         return None
+
+    def ride_(self, label: str, head: Tensor, flag: Tensor) -> None:
+        """A carried unit checked where its reducer divides it by the group size before the sum
+        (:func:`~lowband.optim.scaling.check_scaled_`: no read of its own) and made a sentinel with
+        :func:`poison_` before the sum was issued: ``head`` (1 element, where the average's first element
+        lands) tells whether any rank's unit held inf/NaN; ``flag`` is this rank's."""
+        if self.enabled:
+            self._carried.append((label, [head], flag, True))
 
     def discard(self) -> None:
         """Forget this round's flags (a pass that is not stepped)."""
@@ -200,7 +225,7 @@ class NonFiniteGuard:
         averages, checked as the carried units' are)."""
         if not self.enabled:
             return True
-        if self.deferred and not self.stages:
+        if self.deferred:
             return self._decide_local(params)
         grads = [(n, p.grad) for n, p in params if p.grad is not None]
         if grads and not self.rides_data:
@@ -215,7 +240,7 @@ class NonFiniteGuard:
         self.discard()
         # the carried units' averages: identical on every rank, so is this check's outcome
         averaged = [gs[0].view(-1)[:1] if sentinel else g for _, gs, _, sentinel in carried for g in gs]
-        spread = bool(averaged) and _any_nonfinite(averaged)
+        spread = bool(averaged) and any_nonfinite(averaged)
         if not exchange and not spread:
             return True  # every rank's flag rode its data, and the averages are finite
         dev = flags[0].device if flags else torch.device("cpu")
@@ -246,27 +271,41 @@ class NonFiniteGuard:
 
     def _decide_local(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> bool:
         """:meth:`decide` for local steps: settle the agreements that have arrived, check this rank's
-        gradients (one host read), drop them when non-finite (its local step updates nothing), and,
-        under ``raise``, start this step's agreement without waiting for it. Always True: the step goes
-        on (a strategy's averaging inside it runs on every rank alike)."""
+        gradients outside the stages (one host read) and drop them when non-finite (its local step
+        updates nothing), take this step's stage flags (units zeroed before their layers were stepped or
+        averaged), and, under ``raise``, start this step's agreement without waiting for it. Always
+        True: the step goes on (a strategy's averaging inside it runs on every rank alike)."""
         self.settle(keep=MAX_PENDING - 1)
+        flags, labels = self._flags, self._labels
+        self.discard()
         grads = [(n, p.grad) for n, p in params if p.grad is not None]
-        if not grads:
+        if not grads and not flags:
             return True
-        bad = _any_nonfinite([g for _, g in grads])
+        bad = bool(grads) and any_nonfinite([g for _, g in grads])
         names = [n for n, g in grads if bad and not bool(torch.isfinite(g).all())]
+        dev = flags[0].device if flags else grads[0][1].device
+        # position + 1 of this rank's first flagged unit, len(labels) + 1 for a gradient outside the
+        # stages, 0 when clean: device-side, no host read under raise
+        local = torch.full((1,), float(len(labels) + 1) if bad else 0.0, dtype=torch.float32, device=dev)
+        if flags:
+            hit = torch.cat([f.reshape(1).to(dev) for f in flags]) > 0
+            pos = torch.arange(1, len(flags) + 1, dtype=torch.float32, device=dev)
+            first = torch.where(hit, pos, float(len(flags) + 1)).min().reshape(1)
+            local = torch.where(first <= len(flags), first, local)
+        own = names[0] if names else ""
         if self.policy == "raise" and self.group.size > 1:
-            dev = grads[0][1].device
-            vec = torch.zeros(self.group.size, dtype=torch.float32, device="cpu" if self._host else dev)
-            vec[self.group.rank] = float(bad)
-            handle = iallreduce(vec, op="max", group=self._fast)
-            self._pending.append((handle, self._step(), names[0] if names else ""))
+            vec = torch.zeros(self.group.size, dtype=torch.float32, device=dev)
+            vec[self.group.rank : self.group.rank + 1] = local
+            handle = iallreduce(vec.to("cpu") if self._host else vec, op="max", group=self._fast)
+            self._pending.append((handle, self._step(), own, labels))
         if bad:
             for _, p in params:
                 p.grad = None
+        # this rank's count: under raise among several ranks only what is known without a host read
+        if bad or ((self.policy == "skip" or self.group.size == 1) and float(local.item()) > 0):
             self.skipped += 1
             if self.policy == "raise" and self.group.size == 1:
-                self.settle_now(torch.ones(1), self._step(), names[0] if names else "")
+                self.settle_now(local, self._step(), own, labels)
         return True
 
     def settle(self, *, keep: int = 0) -> None:
@@ -278,23 +317,31 @@ class NonFiniteGuard:
         after a non-finite gradient went unreported). No rank enters an exchange that another, having
         raised, will not join, since all raise at the same step."""
         while len(self._pending) > keep:
-            handle, step, own = self._pending.popleft()
-            self.settle_now(handle.wait() if self.waiter is None else self.waiter(handle), step, own)
+            handle, step, own, labels = self._pending.popleft()
+            found = handle.wait() if self.waiter is None else self.waiter(handle)
+            self.settle_now(found, step, own, labels)
 
-    def settle_now(self, found: Tensor, step: int, own: str) -> None:
-        bad = [r for r, v in enumerate(found.tolist()) if v > 0]
-        if not bad:
+    def settle_now(self, found: Tensor, step: int, own: str, labels: Sequence[str] = ()) -> None:
+        """Raise if ``found`` (one value per rank, :meth:`_decide_local`) names a rank; ``own``: this
+        rank's bad parameter outside the stages, ``labels``: the stages' units in check order."""
+        parts = []
+        for r, v in enumerate(found.tolist()):
+            k = int(v)
+            if k <= 0:
+                continue
+            if k <= len(labels):
+                what = f"unit {labels[k - 1]!r}"
+            else:
+                what = f"parameter {own!r}" if r == self.group.rank and own else "its gradients"
+            parts.append(f"rank {self.group.ranks[r]} ({what})")
+        if not parts:
             return
-        parts = [
-            f"rank {self.group.ranks[r]} ({f'parameter {own!r}' if r == self.group.rank and own else 'its gradients'})"
-            for r in bad
-        ]
         raise NonFiniteError(
-            f"{self.where}: a non-finite gradient (NaN or Inf) at step {step} on {', '.join(parts)}; that "
-            "rank's local step was dropped (its parameters stay finite) and this is raised on every rank "
-            f"(at step {self._step()} here: local steps agree asynchronously, so no step waits for the "
-            "check). Fix its cause (learning rate, loss, inputs), or pass on_nonfinite='skip' to drop such "
-            "local steps"
+            f"{self.where}: a non-finite gradient (NaN or Inf) at step {step} on {', '.join(parts)}; "
+            "dropped on that rank before anything stepped, averaged or stored it (its parameters stay "
+            f"finite) and raised on every rank (at step {self._step()} here: local steps agree "
+            "asynchronously, so no step waits for the check). Fix its cause (learning rate, loss, "
+            "inputs), or pass on_nonfinite='skip' to drop such gradients"
         )
 
     def _skip(self, params: Sequence[tuple[str, torch.nn.Parameter]]) -> None:
@@ -342,64 +389,6 @@ class NonFiniteGuard:
             "its cause (learning rate, loss, inputs), or pass on_nonfinite='skip' to skip such steps on "
             "every rank"
         )
-
-
-def _flag(
-    grads: Sequence[Tensor], *, zero: bool, ones: dict[tuple[torch.device, torch.dtype], Tensor]
-) -> Tensor:
-    """1.0 where ``grads`` (one device) hold inf/NaN, else 0.0, as a 1-element float32 tensor on their
-    device; with ``zero`` every one of them is zeroed when one is bad."""
-    dev = grads[0].device
-    if dev.type == "cpu":
-        # on the CPU a host decision costs nothing: one read pass (the sums), confirmed element-wise
-        # only if a sum is not finite; gradients written only when one is bad
-        bad = _any_nonfinite(grads)
-        if bad and zero:
-            for g in grads:
-                (g._values() if g.is_sparse else g).zero_()
-        return torch.full((1,), float(bad), dtype=torch.float32, device="cpu")
-    # on an accelerator: flagged (and zeroed) on the device, no host synchronisation
-    one = ones.get((dev, torch.float32))
-    if one is None:
-        one = ones[(dev, torch.float32)] = torch.ones(1, dtype=torch.float32, device=dev)
-    if zero:
-        return zero_nonfinite_(grads, one)
-    flag = torch.zeros(1, dtype=torch.float32, device=dev)
-    with torch.no_grad():  # multiplied by 1: torch's fused check, nothing written
-        torch._amp_foreach_non_finite_check_and_unscale_(
-            [g._values() if g.is_sparse else g for g in grads], flag, one
-        )
-    return flag
-
-
-def _any_nonfinite(grads: Sequence[Tensor]) -> bool:
-    """True if any of ``grads`` holds inf/NaN (a host decision: one read pass, the sums, added in float64
-    and read once; a non-finite sum confirmed element-wise, since large finite values can overflow it)."""
-    dense = [g._values() if g.is_sparse else g for g in grads]
-    sums = [g.sum(dtype=torch.float32 if g.element_size() < 4 else None) for g in dense]
-    if not sums:
-        return False
-    dev = sums[0].device
-    if dev.type == "cpu":  # added on the host as Python floats (tensor ops' overhead is the cost here)
-        if math.isfinite(sum(x.item() for x in sums)):
-            return False
-    elif bool(torch.isfinite(torch.stack([x.to(dev, torch.float64) for x in sums]).sum())):
-        return False  # one host read: the sums added on their device
-    return not all(bool(torch.isfinite(g).all()) for g in dense)
-
-
-def poison_(wire: Tensor, flag: Tensor) -> None:
-    """Make ``wire``'s first element NaN where ``flag`` (1 element) is set, so that every rank's sum of
-    it is NaN; on the CPU a host branch, elsewhere device-side with no host synchronisation."""
-    if wire.numel() == 0:
-        return
-    head = wire.view(-1)[:1]
-    if flag.device.type == "cpu" and head.device.type == "cpu":
-        if flag.item() > 0:
-            head.fill_(math.nan)
-        return
-    nan = torch.tensor(math.nan, dtype=head.dtype, device=head.device)
-    head.copy_(torch.where(flag.to(head.device) > 0, nan, head))
 
 
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:

@@ -51,8 +51,11 @@ from torch import nn
 from lowband.comm.fusion import igrouped_allreduce
 from lowband.comm.handle import Handle
 from lowband.comm.priority import NegotiatedQueue
+from lowband.comm.reduce import iallreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.finite import poison_
+from lowband.optim.scaling import check_scaled_, exact_scale
 
 Tensor = torch.Tensor
 
@@ -122,6 +125,23 @@ class Reducer(abc.ABC):
     def reduce(self, unit: Unit, grads: list[Tensor], ctx: ReduceContext) -> Handle[list[Tensor]]:
         """Start reducing ``grads`` (the gradients of ``unit.params``, in order); never blocks."""
 
+    def reduce_checked(
+        self, unit: Unit, grads: list[Tensor], ctx: ReduceContext
+    ) -> tuple[Handle[list[Tensor]], Tensor, Tensor] | None:
+        """:meth:`reduce` with the non-finite check fused into a pass the reduction makes anyway, for a
+        reducer whose average carries inf/NaN (``carries_nonfinite == "raw"``): the handle, this rank's
+        flag (1 element, on the device) and a 1-element view of where the average's first element lands,
+        NaN there on every rank when any rank's unit held inf/NaN (:meth:`NonFiniteGuard.ride_
+        <lowband.optim.nonfinite.NonFiniteGuard.ride_>`). None (the default): the stage checks the unit
+        itself before :meth:`reduce`."""
+        return None
+
+    def average_tells(self, size: int) -> bool:
+        """True if, reducing over ``size`` ranks, the first element of every average this reducer
+        returns is NaN whenever any of its elements is not finite (so that the non-finite guard reads one
+        element of it, not all); False by default."""
+        return False
+
     def state_dict(self) -> dict[str, Any]:
         """State needed to resume (keyed by parameter name); none by default."""
         return {}
@@ -145,6 +165,37 @@ class AllreduceReducer(Reducer):
         return igrouped_allreduce(
             grads, "average", inplace=True, name=unit.key, group=ctx.group, fusion_threshold=one_buffer
         )
+
+    def reduce_checked(
+        self, unit: Unit, grads: list[Tensor], ctx: ReduceContext
+    ) -> tuple[Handle[list[Tensor]], Tensor, Tensor] | None:
+        """The unit flattened into one buffer, divided by the group size *before* the sum (the same
+        average bit for bit when the size is a power of two, and a sum that cannot overflow) with the
+        check fused into that division (:func:`~lowband.optim.scaling.check_scaled_`), its first element
+        made NaN when flagged, then summed; None for other group sizes, sparse gradients or several
+        devices."""
+        p = ctx.group.size
+        if (
+            not exact_scale(p)
+            or not grads
+            or any(g.is_sparse for g in grads)
+            or len({g.device for g in grads}) > 1
+        ):
+            return None
+        single = len(grads) == 1 and grads[0].is_contiguous()
+        flat = grads[0].view(-1) if single else torch.cat([g.reshape(-1) for g in grads])
+        flag = check_scaled_([flat], 1.0 / p)
+        poison_(flat, flag)
+        h = iallreduce(flat, "sum", inplace=True, name=unit.key, group=ctx.group)
+
+        def finish(avg: Tensor) -> list[Tensor]:
+            if not single:
+                with torch.no_grad():
+                    parts = torch.split(avg, [g.numel() for g in grads])
+                    torch._foreach_copy_(grads, [a.view(g.shape) for a, g in zip(parts, grads)])
+            return grads
+
+        return h.map(finish), flag, flat[:1]
 
     def __repr__(self) -> str:
         return "AllreduceReducer()"

@@ -88,6 +88,28 @@ def zero_nonfinite_(grads: Sequence[Tensor], inv_scale: Tensor) -> Tensor:
     return flag
 
 
+def exact_scale(n: int) -> bool:
+    """True if multiplying by ``1/n`` is exact (``n`` a power of two): then dividing each rank's
+    gradients by ``n`` before the sum, instead of the sum by ``n`` after it, gives the same average
+    bit for bit, and that division can carry the non-finite check (:func:`check_scaled_`)."""
+    return n >= 1 and n & (n - 1) == 0
+
+
+def check_scaled_(tensors: Sequence[Tensor], scale: float) -> Tensor:
+    """Flag inf/NaN in ``tensors`` (dense, one device) and multiply them by ``scale`` in place, in one
+    pass of torch's fused kernel (``torch._amp_foreach_non_finite_check_and_unscale_``): where the
+    gradients are divided by the group size anyway, the check costs nothing beyond that division
+    (measured on the CPU: the kernel takes what ``div_`` alone takes). The flag is the values' as given
+    (1 element, float32, 1.0: found), on their device, with no host synchronisation."""
+    dev = tensors[0].device
+    flag = torch.zeros(1, dtype=torch.float32, device=dev)
+    with torch.no_grad():
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            list(tensors), flag, torch.full((1,), scale, dtype=torch.float32, device=dev)
+        )
+    return flag
+
+
 class GradUnscaler:
     """Unscales gradients for a strategy trained with a :class:`torch.amp.GradScaler` (module docstring)."""
 

@@ -33,7 +33,9 @@ error-feedback memories only ever see true, finite gradients.
 Non-finite gradients. With :attr:`GradientStage.guard` set (a
 :class:`~lowband.optim.nonfinite.NonFiniteGuard`, and no unscaler), each unit's gradients are checked on
 the device right before the reducer (or, without one, the layer's step) sees them: a unit holding inf/NaN
-is zeroed and flagged, and the strategy decides once per step on every rank. Under ``skip`` the reducer's
+is zeroed and flagged, and the strategy decides once per step on every rank. A unit whose reducer
+averages it plainly (:meth:`Reducer.reduce_checked <lowband.optim.reducer.Reducer.reduce_checked>`) is
+checked inside the reduction instead, fused with its division by the group size. Under ``skip`` the reducer's
 state is copied at the start of each reduction and put back by :meth:`restore_reducer`.
 
 Accumulation. With ``accumulate = J`` the gradients of J backward passes are summed locally (in
@@ -236,11 +238,22 @@ class GradientStage:
         if self.unscaler is not None:
             self.unscaler.unscale_(grads)
         flag = None
-        if self.unscaler is None and self.guard is not None:
-            carry = self.carries_nonfinite()
-            flag = self.guard.check_(grads, unit.key, carried=bool(carry), zero=carry != "raw")
-            flag = flag if carry == "poison" else None
         t0 = time.perf_counter()
+        ctx = ReduceContext(self._fast, self.rounds, None)
+        if self.unscaler is None and self.guard is not None and self.guard.enabled:
+            carry = self.carries_nonfinite()
+            if carry == "raw":  # checked inside the reduction where it can be (fused, a sentinel)
+                fused = self.reducer.reduce_checked(unit, grads, ctx)
+                if fused is not None:
+                    h, own, head = fused
+                    self.guard.ride_(unit.key, head, own)
+                    self.reduce_s += time.perf_counter() - t0
+                    self._handles[i] = (h, grads)
+                    return
+            tells = carry == "poison" and self.reducer.average_tells(self._fast.size)
+            flag = self.guard.check_(grads, unit.key, carried=bool(carry), zero=carry != "raw", tells=tells)
+            flag = flag if carry == "poison" else None
+            t0 = time.perf_counter()
         h = self.reducer.reduce(unit, grads, ReduceContext(self._fast, self.rounds, flag))
         self.reduce_s += time.perf_counter() - t0
         self._handles[i] = (h, grads)

@@ -29,7 +29,8 @@ for good by one overflow. Its comm hook therefore unscales each bucket first (a 
 on this rank is zeroed, :mod:`lowband.optim.scaling`), and the ranks agree on the flag before the step.
 
 Non-finite gradients (:mod:`lowband.optim.nonfinite`). ``ddp`` checks each bucket in a comm hook, torch's
-``allreduce_hook`` after the check: a rank's inf/NaN rides the average to every rank (nothing stateful
+``allreduce_hook`` with the check fused into its division by the group size (a power of two; other sizes
+check first, then run torch's hook): a rank's inf/NaN rides the average to every rank (nothing stateful
 sees it), so a clean step needs no exchange of flags; the averaged gradients are checked before the
 step, and only a non-finite one makes the ranks exchange who held it. ``powersgd`` zeroes a bad bucket
 before PowerSGD's memory sees it and the ranks agree on the flag every step.
@@ -43,6 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._C._distributed_c10d import GradBucket
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -52,8 +54,9 @@ from torch.nn.parallel import DistributedDataParallel
 from lowband.comm.initial import claim_initial_broadcast
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
+from lowband.optim.finite import poison_
 from lowband.optim.nonfinite import NonFiniteGuard, snapshot
-from lowband.optim.scaling import GradUnscaler
+from lowband.optim.scaling import GradUnscaler, check_scaled_, exact_scale
 from lowband.options import Opt, Options
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
@@ -100,12 +103,22 @@ def _checked_allreduce_hook(
 ) -> torch.futures.Future[torch.Tensor]:
     """torch's ``allreduce_hook`` after the bucket's inf/NaN check (carried: not zeroed, module docstring)."""
     guard = state.guard()
-    if guard is not None:
-        # torch's hook divides the bucket by the group size before summing: no finite sum overflows,
-        # so the average's first element tells (a sentinel), and decide() reads one element per bucket
-        guard.check_(
-            [bucket.buffer()], f"DDP bucket {bucket.index()}", carried=True, zero=False, sentinel=True
-        )
+    label = f"DDP bucket {bucket.index()}"
+    n = state.pg.size()
+    if guard is not None and guard.enabled and exact_scale(n):
+        # torch's hook divides the bucket by the group size before summing; here that division is the
+        # check (one fused pass, bit for bit the same average), no finite sum overflows, and the
+        # average's first element tells (a sentinel): decide() reads one element per bucket
+        buf = bucket.buffer()
+        flag = check_scaled_([buf], 1.0 / n)
+        poison_(buf, flag)
+        guard.ride_(label, buf.view(-1)[:1], flag)
+        work = dist.all_reduce(buf, group=state.pg, async_op=True)
+        assert work is not None
+        out: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda f: f.value()[0])
+        return out
+    if guard is not None:  # a group size whose division is not exact: checked, then torch's hook
+        guard.check_([bucket.buffer()], label, carried=True, zero=False, sentinel=True)
     return default_hooks.allreduce_hook(state.pg, bucket)
 
 

@@ -52,7 +52,7 @@ class GradientPolicies:
         first step. Raises :class:`InvalidArgumentError` where the strategy cannot do it correctly."""
         where = f"{type(self).__name__}.set_grad_scaler on rank {self.group.world_rank}"
         reason = self.no_grad_scaler_reason
-        if reason is None and self.steps_in_backward:
+        if reason is None and self.steps_in_backward and not self.local_steps:
             reason = "it steps each layer during backward, before the whole gradient is known to be finite"
         if reason is not None:
             raise InvalidArgumentError(
@@ -112,7 +112,7 @@ class GradientPolicies:
         Every rank alike, before the first step."""
         where = f"{type(self).__name__} (on_nonfinite={policy!r}) on rank {self.group.world_rank}"
         reason = self.no_skip_reason
-        if reason is None and self.steps_in_backward:
+        if reason is None and self.steps_in_backward and not self.local_steps:
             reason = "it steps each layer during backward, before the whole gradient is known to be finite"
         if policy == "skip" and reason is not None:
             raise InvalidArgumentError(
@@ -128,7 +128,9 @@ class GradientPolicies:
         for stage in self.gradient_stages():
             self.nonfinite.attach(stage)
         self.nonfinite.rides_data = self.nonfinite_rides_data()
-        self.nonfinite.deferred = self.local_steps and not self.nonfinite.stages
+        # local steps agree late: without stages, or with layers stepped in backward (dreamddp: every
+        # unit zeroed before its layer is stepped or averaged); a stage that reduces agrees every step
+        self.nonfinite.deferred = self.local_steps and (not self.nonfinite.stages or self.steps_in_backward)
 
     def nonfinite_rides_data(self) -> bool:
         """True if every gradient the non-finite guard sees is averaged by a plain allreduce before the
