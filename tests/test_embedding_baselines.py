@@ -156,8 +156,18 @@ def _step_bytes(spec: str) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
 @pytest.mark.parametrize("spec", SPECS)
 def test_byte_counters_match_the_model(spec: str, n: int) -> None:
     for r, (got, want) in enumerate(run_threads(_step_bytes, n, spec, trace=True, timeout=60)):
+        # the dense part's plain average: one grouped allreduce per unit, or (power-of-two groups, the
+        # non-finite check riding its division) the unit flattened and allreduced: the same bytes
+        # (power-of-two groups: the plain average's unit is flattened and allreduced whole, the
+        # non-finite check riding its division; its ring chunks round per unit, not per parameter:
+        # up to 8 bytes per unit and step more than the model's per-parameter count)
+        got, want = dict(got), dict(want)
+        if "grouped_allreduce" in want and "grouped_allreduce" not in got and "allreduce" in got:
+            fused = got.pop("allreduce")
+            extra = fused["bytes_sent"] - want.pop("grouped_allreduce")
+            assert 0 <= extra <= 8 * fused["calls"] * n, f"{spec} rank {r} of {n}: {fused} ({extra} B over)"
         sent = {op: c["bytes_sent"] for op, c in got.items() if op in want}
-        assert sent == want, f"{spec} rank {r} of {n}: counters {got}"
+        assert sent == want, f"{spec} rank {r} of {n}: sent {sent} want {want}"
 
 
 def _leave(spec: str, victim: int) -> tuple[str, float] | None:
