@@ -8,7 +8,7 @@ from its own package the same way.
 
 from lowband.decentral import strategies as _decentral  # noqa: F401  (registers atc, awc, hierarchical-atc, gradient-allreduce, winput)
 from lowband.localsgd import strategy as _partial_sync  # noqa: F401  (registers "dreamddp", "plsgd-enp", "flsgd-overlap")
-from lowband.strategies import auto as _auto  # noqa: F401  (registers "auto", first in the registry)
+from lowband.strategies import auto as _auto  # noqa: F401  (registers "auto")
 from lowband.strategies import compressed as _compressed  # noqa: F401  (registers "compressed")
 from lowband.strategies import ddp as _ddp  # noqa: F401  (registers "ddp", "powersgd")
 from lowband.strategies import diloco as _diloco  # noqa: F401  (registers "diloco")
