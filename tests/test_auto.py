@@ -311,6 +311,7 @@ def _build(opts: dict[str, Any]) -> None:
     [
         ({"profile": "x.json", "probe": _loss}, "not both"),
         ({"profile": __file__}, "cannot read the profile"),  # not JSON
+        ({"links": Links(3, FAST), "probe": _loss}, "describes 3 ranks but the group has 2"),
         ({"only": "nope", "probe": _loss}, "only must be"),
         ({"only": "auto", "probe": _loss}, "only must be"),
         ({"check_every": 0, "probe": _loss}, "check_every"),

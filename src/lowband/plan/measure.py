@@ -96,28 +96,35 @@ BURST_S, LOADED_REPEATS = 0.005, 15
 
 def loaded_latency(group: Group, *, repeats: int = LOADED_REPEATS, burst_s: float = BURST_S) -> float:
     """Seconds of a 4-byte allreduce issued right after ``burst_s`` seconds of computation on every rank
-    (module doc): the median of ``repeats``, the slowest rank's (collective; identical on every rank)."""
+    (module doc): the median of ``repeats``, the slowest rank's (collective; identical on every rank).
+    The computation and the timed allreduce run on the rank's device (on a GPU the time ends when the
+    device has finished, as :func:`~lowband.localsgd.profiler.measure_comm` times)."""
     import statistics
     import time
 
     import torch
 
     from lowband.comm.collectives import allreduce
+    from lowband.localsgd.profiler import _sync
 
-    if group.size == 1:
+    ctx, g = world_group(group, "loaded_latency")
+    if g.size == 1:
         return 0.0
-    a = torch.randn(96, 96)
-    x = torch.zeros(1)
-    allreduce(x, inplace=True, group=group)
+    dev = ctx.device
+    a = torch.randn(96, 96, device=dev)
+    x = torch.zeros(1, device=dev)
+    allreduce(x, inplace=True, group=g)
     times = []
     for _ in range(repeats):
         end = time.perf_counter() + burst_s
         while time.perf_counter() < end:
             a = torch.tanh(a @ a)
-        t0 = time.perf_counter()
-        allreduce(x, inplace=True, group=group)
-        times.append(time.perf_counter() - t0)
-    red = allreduce(torch.tensor([statistics.median(times)], dtype=torch.float64), "max", group=group)
+            _sync(dev)
+        t0 = _sync(dev)
+        allreduce(x, inplace=True, group=g)
+        times.append(_sync(dev) - t0)
+    # host-side timings: a CPU tensor (as measure_comm's)
+    red = allreduce(torch.tensor([statistics.median(times)], dtype=torch.float64), "max", group=g)
     return float(red.item())
 
 

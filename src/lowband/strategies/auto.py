@@ -115,6 +115,11 @@ class AutoStrategy(Strategy):
         where = f"make_strategy('auto') on rank {group.rank}"
         if profile is not None and probe is not None:
             raise InvalidArgumentError(f"{where}: give profile= or probe=, not both")
+        if links is not None and links.world != group.size:
+            raise InvalidArgumentError(
+                f"{where}: links= describes {links.world} ranks but the group has {group.size} "
+                "(Links.at(n) gives the same links over n ranks)"
+            )
         self._where, self._make = where, make_optimizer
         self.accept = Acceptance(max_local_steps, max_compression, max_staleness)
         self.candidates = auto_switch.candidate_specs(only)
