@@ -7,6 +7,11 @@ and the cost of the operations strategies put on the critical path.
   forward and backward seconds and bytes, forward order. No links are measured (``comm = 0``): the
   planner adds them from its link model (:func:`~lowband.localsgd.profiler.with_comm`).
 - The optimizer step: the workload's optimizer stepped on the model's gradients (median of a few).
+- Whole steps: zero_grad, forward, loss, backward and the optimizer step timed together, every rank at
+  once, each step's time the slowest rank's (a job's pace, as the bench counts it); when the layers'
+  hooks plus the optimizer step add up to less (what no layer holds: the loss, the root module's own
+  code, autograd's and Python's overhead), every layer's forward and backward seconds are scaled by
+  ``whole_step_fit`` so that the profile's computation is the whole step's.
 - ``compute_scale``: ranks sharing this machine's cores (the testbed runs every rank here) compute that
   many times slower; every computed second of the profile is multiplied by it (1: a rank per machine).
 - Operations (:class:`OpCosts`): compressors' compress/decompress seconds and exact payload bytes on a
@@ -144,6 +149,8 @@ class PlanProfile:
     elem_sizes: tuple[int, ...]
     step_s: float
     ops: OpCosts = field(default_factory=OpCosts, compare=False)
+    #: the factor the layers' measured seconds were scaled by to make up a whole timed step (1: none)
+    whole_step_fit: float = 1.0
 
     @property
     def compute_s(self) -> float:
@@ -166,6 +173,7 @@ class PlanProfile:
             "forward_ms": self.cost.fwd_total * 1e3,
             "backward_ms": self.cost.bwd_total * 1e3,
             "step_ms": self.step_s * 1e3,
+            "whole_step_fit": self.whole_step_fit,
             "compute_scale": self.ops.scale,
             "parameter_bytes": self.total_bytes,
             "layers": [lc.to_json() for lc in self.cost.layers],
@@ -191,6 +199,7 @@ class PlanProfile:
                 cost=CostProfile(layers, 0.0, 0.0, float(d.get("kappa", 0.0)), float(d.get("sigma", 0.0))),
                 shapes=shapes, elem_sizes=elem,
                 step_s=float(d["step_ms"]) / 1e3, ops=OpCosts(scale=float(d.get("compute_scale", 1.0))),
+                whole_step_fit=float(d.get("whole_step_fit", 1.0)),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgumentError(
@@ -286,11 +295,16 @@ def profile_module(
         tuple(LayerCost(lc.name, lc.fwd, lc.bwd, 0.0, lc.nbytes) for lc in cost.layers),
         0.0, 0.0, cost.kappa, cost.sigma,
     )  # fmt: skip
-    say("timing the optimizer step")
+    say("timing the optimizer step and whole steps")
     timed = model if own_model else copy.deepcopy(model)
     opt = make_optimizer(timed.parameters())
-    loss_fn(timed).backward()  # type: ignore[no-untyped-call]
-    step_s = median_seconds(opt.step, repeats=repeats)
+    gpus = sorted({p.device.index or 0 for p in timed.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=gpus):  # the training run's dropout streams stay where they were
+        loss_fn(timed).backward()  # type: ignore[no-untyped-call]
+        step_s = median_seconds(opt.step, repeats=repeats)
+        whole_s = whole_step_seconds(timed, loss_fn, opt, group=group, repeats=repeats)
+    layer_s = cost.fwd_total + cost.bwd_total
+    fit = max(1.0, (whole_s - step_s) / layer_s) if layer_s > 0 else 1.0
     by_name = dict(layers)
     shapes = tuple(tuple(tuple(p.shape) for p in by_name[lc.name]) for lc in cost.layers)
     elem = tuple(
@@ -300,9 +314,43 @@ def profile_module(
     return PlanProfile(
         workload=name,
         batch_size=batch_size,
-        cost=scaled(cost, compute_scale),
+        cost=scaled(cost, compute_scale * fit),
         shapes=shapes,
         elem_sizes=elem,
         step_s=step_s * compute_scale,
         ops=OpCosts(scale=compute_scale),
+        whole_step_fit=fit,
     )
+
+
+def whole_step_seconds(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    *,
+    group: Group | None = None,
+    repeats: int = 5,
+) -> float:
+    """The median over ``repeats`` training steps (zero_grad, ``loss_fn``'s forward, backward, ``opt``'s
+    step; one untimed first) of each step's seconds on the slowest rank of ``group`` (collective: every
+    rank steps at once and the ranks' times are gathered; a world of one without it)."""
+    from lowband.comm.collectives import allgather
+
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+
+    def now() -> float:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
+
+    ts = []
+    for k in range(repeats + 1):
+        t0 = now()
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        if k:
+            ts.append(now() - t0)
+    mine = torch.tensor([ts], dtype=torch.float64, device="cpu")
+    rows = allgather(mine, group=group) if group is not None and group.size > 1 else mine
+    return float(statistics.median(rows.max(dim=0).values.tolist()))
