@@ -52,6 +52,7 @@ from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.localsgd.costmodel import CostProfile, LayerCost
 from lowband.optim.layerwise import parameter_layers
+from lowband.rng import fork_rng
 from lowband.runtime import world_group
 
 LossFn = Callable[[nn.Module], torch.Tensor]
@@ -195,7 +196,7 @@ def _preserved(model: nn.Module, params: list[nn.Parameter]) -> Iterator[None]:
     saved_buffers = [b.detach().clone() for b in model.buffers()]
     gpus = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=gpus):
+        with fork_rng(devices=gpus):
             yield
     finally:
         with torch.no_grad():

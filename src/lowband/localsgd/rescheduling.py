@@ -43,6 +43,7 @@ from lowband.localsgd.units import (
     unit_profile,
 )
 from lowband.optim.layerwise import LayerwiseOptimizer
+from lowband.rng import fork_rng
 from lowband.strategies.base import LossFn, Strategy
 
 
@@ -202,7 +203,7 @@ class ScheduledStrategy(Strategy):
         self.optimizer.refuse_restep = False  # the profile's passes step the layers again and again
         cuda = sorted({p.get_device() for p in params if p.is_cuda})
         try:
-            with torch.random.fork_rng(devices=cuda):  # the training run draws what it would without
+            with fork_rng(devices=cuda):  # the training run draws what it would without
                 prof = profile_model(self.local_module, loss_fn, group=self.group)
         finally:
             self.optimizer.refuse_restep = True

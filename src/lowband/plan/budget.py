@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from lowband.errors import InvalidArgumentError
+from lowband.rng import fork_rng
 
 #: floating-point operations per second of one torch thread, low
 FLOPS = 5e9
@@ -35,7 +36,6 @@ LAYER_S = 1e-4
 
 def estimate_seconds(workload: str, n_specs: int, *, batch_size: int | None = None, seed: int = 0) -> float:
     """The bound (module doc) of profiling ``workload`` for ``n_specs`` strategy specs."""
-    import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from lowband.bench.workloads import get_workload
@@ -44,7 +44,7 @@ def estimate_seconds(workload: str, n_specs: int, *, batch_size: int | None = No
     w = get_workload(workload)
     model = w.build_model(seed=seed)
     batch = next(iter(w.batches(0, 1, batch_size or w.default_batch_size, seed)))
-    with torch.random.fork_rng(), FlopCounterMode(display=False) as flops:
+    with fork_rng(), FlopCounterMode(display=False) as flops:
         w.loss(model, batch).backward()  # type: ignore[no-untyped-call]
     params = sum(p.numel() for p in model.parameters())
     layers = len(parameter_layers(model))

@@ -34,6 +34,7 @@ from torch import nn
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
 from lowband.optim.layerwise import parameter_layers
+from lowband.rng import fork_rng
 
 if TYPE_CHECKING:  # lowband.localsgd imports the strategies, and auto imports this module
     from lowband.localsgd.costmodel import CostProfile
@@ -299,7 +300,7 @@ def profile_module(
     timed = model if own_model else copy.deepcopy(model)
     opt = make_optimizer(timed.parameters())
     gpus = sorted({p.device.index or 0 for p in timed.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=gpus):  # the training run's dropout streams stay where they were
+    with fork_rng(devices=gpus):  # the training run's dropout streams stay where they were
         loss_fn(timed).backward()  # type: ignore[no-untyped-call]
         step_s = median_seconds(opt.step, repeats=repeats)
         whole_s = whole_step_seconds(timed, loss_fn, opt, group=group, repeats=repeats)

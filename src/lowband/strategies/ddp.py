@@ -58,6 +58,7 @@ from lowband.optim.finite import poison_
 from lowband.optim.nonfinite import NonFiniteGuard, snapshot
 from lowband.optim.scaling import GradUnscaler, check_scaled_, exact_scale
 from lowband.options import Opt, Options
+from lowband.rng import fork_rng
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.replay import ForwardReplay
@@ -228,7 +229,7 @@ class DDPStrategy(Strategy):
         buffers = [b.detach().clone() for b in self.local_module.buffers()]
         cuda = sorted({p.get_device() for p in self.local_module.parameters() if p.is_cuda})
         what = "the bucket-rebuilding pass after a resume"
-        with comm_errors(self.name, what, self.group), torch.random.fork_rng(devices=cuda):
+        with comm_errors(self.name, what, self.group), fork_rng(devices=cuda):
             loss_fn(self.ddp).backward()  # type: ignore[no-untyped-call]
         with torch.no_grad():
             for p, g in grads.items():

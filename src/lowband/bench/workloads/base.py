@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from lowband.errors import InvalidArgumentError
+from lowband.rng import fork_rng
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -81,7 +82,7 @@ def to_device(model: nn.Module, batch: Batch) -> Batch:
 def seeded_init(op: str, factory: Callable[[], M], seed: int) -> M:
     """Build ``factory()`` with torch's global RNG seeded to ``seed``; the caller's RNG state is restored."""
     check_int(op, "seed", seed, minimum=0)
-    with torch.random.fork_rng(devices=[]):
+    with fork_rng():
         torch.manual_seed(seed)
         return factory()
 
