@@ -81,7 +81,7 @@ def _same_verdict(reports: list[Report]) -> bool:
 
 
 def _synced(reports: list[Report], tol: float = 1e-9) -> bool:
-    finals = [r["final"] for r in reports]
+    finals: list[list[float]] = [r.get("replicated") or r["final"] for r in reports]
     return all(max(abs(a - b) for a, b in zip(f, finals[0])) <= tol for f in finals[1:])
 
 

@@ -66,7 +66,7 @@ def nonfinite(case: Case, out: dict[str, Any]) -> None:
         s.synchronize()
         out["state_bad"] = state_finite(s.state_dict())
         out["skipped"] = s.nonfinite.skipped if s.nonfinite is not None else -1
-        out["in_sync"] = s.in_sync()
+        _note_replicas(out, s)
     except BaseException:
         _note_model(out, m)
         raise
@@ -78,6 +78,14 @@ def nonfinite(case: Case, out: dict[str, Any]) -> None:
 def _note_model(out: dict[str, Any], m: nn.Module) -> None:
     out["final"] = flat(m)
     out["finite"] = finite(out["final"])
+
+
+def _note_replicas(out: dict[str, Any], s: Strategy) -> None:
+    """The parameters every rank holds a copy of (sharded ones differ by design): what in_sync is about."""
+    out["in_sync"] = s.in_sync()
+    out["replicated"] = [
+        v for _, p in s.replicated_parameters() for v in p.detach().reshape(-1).double().tolist()
+    ]
 
 
 def tied(case: Case, out: dict[str, Any]) -> None:
@@ -173,7 +181,7 @@ def ckpt_direct(case: Case, out: dict[str, Any]) -> None:
             if k in states[r]["model"]
         )
         _train(s, 3, 5)
-        out["in_sync"] = s.in_sync()
+        _note_replicas(out, s)
     finally:
         s.close()
     _note_model(out, m)
@@ -197,7 +205,7 @@ def ckpt_resume(case: Case, out: dict[str, Any]) -> None:
         )
         out["violations"] = _conserved(saved, loaded)[:5]
         _train(s, out["start"], out["start"] + 2)
-        out["in_sync"] = s.in_sync()
+        _note_replicas(out, s)
     finally:
         s.close()
     _note_model(out, m)
@@ -213,7 +221,11 @@ def _conserved(saved: list[dict[str, Any]], loaded: list[dict[str, Any]]) -> lis
         if all(torch.equal(b[path], t) for b in before[1:]):
             if not all(torch.equal(a[path], t) for a in after):
                 bad.append(f"{path}: equal on every saved rank, not restored")
-        elif not torch.allclose(torch.stack([b[path] for b in before]).sum(0), torch.stack([a[path] for a in after]).sum(0), atol=1e-9):
+        elif not torch.allclose(
+            torch.stack([b[path] for b in before]).sum(0),
+            torch.stack([a[path] for a in after]).sum(0),
+            atol=1e-9,
+        ):
             bad.append(f"{path}: per-rank values whose sum over the ranks changed")
     return bad
 
