@@ -73,3 +73,19 @@ def test_classifier_both_ways() -> None:
     assert classify_signal(sig, LaunchEnd(1, wrong))[0] == "WRONG-BLAME"
     assert classify_signal(sig, LaunchEnd(None, "", hung=True))[0] == "HANG"
     assert classify_signal(sig, LaunchEnd(1, right, ABORT))[0] == "GLOO-ABORT"
+
+
+def test_a_mismatch_may_name_each_value_in_its_canonical_form() -> None:
+    case: Case = {
+        "family": 3, "id": "z", "kind": "mismatch", "ranks": 2, "option": "compressor",
+        "values": ["onebit", "onebit:threshold_mode=absolute"],
+    }  # fmt: skip
+    msg = (
+        "make_strategy('compressed') on rank 0: the ranks' strategy configurations differ: option "
+        "'compressor' is onebit:scale=1.0;threshold=0.5;threshold_mode='relative' on rank 0, "
+        "onebit:scale=1.0;threshold=0.5;threshold_mode='absolute' on rank 1"
+    )
+    err = {"etype": "CollectiveMismatchError", "error": msg, "finite": True}
+    assert classify(case, [err, err], LaunchEnd(1))[0] == "ok-error"
+    other = {**err, "error": msg.replace("'absolute'", "'relative'")}
+    assert classify(case, [other, other], LaunchEnd(1))[0] == "WRONG-ERROR"

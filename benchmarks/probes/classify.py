@@ -150,6 +150,16 @@ def _tied(case: Case, reports: list[Report]) -> tuple[str, str]:
     return (SILENT, "; ".join(problems)) if problems else (OK_TRAINED, "the tie kept (is, equal, reloaded)")
 
 
+def _names(msg: str, value: str) -> bool:
+    """``msg`` shows ``value`` as given or in its canonical spec form (every ``key=value`` of it, string
+    values quoted: ``onebit:threshold_mode=absolute`` is ``onebit:...;threshold_mode='absolute'``)."""
+    if value in msg:
+        return True
+    plain = msg.replace("'", "")
+    head, _, opts = value.partition(":")
+    return head in plain and all(part in plain for part in opts.split(";") if part)
+
+
 def _mismatch(case: Case, reports: list[Report]) -> tuple[str, str]:
     errs = _errors(reports)
     if not any(errs):
@@ -158,7 +168,7 @@ def _mismatch(case: Case, reports: list[Report]) -> tuple[str, str]:
         return _mixed(reports)
     for i, r in enumerate(reports):
         msg = r["error"]
-        named = f"option {case['option']!r}" in msg and all(v in msg for v in case["values"])
+        named = f"option {case['option']!r}" in msg and all(_names(msg, v) for v in case["values"])
         if r["etype"] != "CollectiveMismatchError" or not named or "rank 0" not in msg or "rank 1" not in msg:
             return WRONG_ERROR, f"rank {i}: {r['etype']}: {msg}"[:600]
     if not _same_verdict(reports):
