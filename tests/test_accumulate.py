@@ -27,6 +27,7 @@ from torch import nn
 
 import lowband
 from lowband.errors import InvalidArgumentError
+from lowband.plan.links import Links
 from lowband.strategies import make_strategy, strategy_names
 from lowband.strategies.registry import STRATEGIES
 from lowband.testing import run_processes, run_threads
@@ -48,6 +49,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "topk-allgather": {"density": 0.3},
     "compressed": {"compressor": "qsgd"},
     "embrace": {"schedule": "horizontal"},
+    # one candidate family, a profile measured once and links given: every run predicts and chooses
+    # alike (from its own timings, localsgd and awc are predicted within noise of each other here)
+    "auto": {"only": "localsgd", "drift": 0.0},
 }
 PARTIAL_SYNC = ("dreamddp", "plsgd-enp", "flsgd-overlap")
 PROCESS_ONLY = ("ddp", "ddp-sparse", "powersgd")  # torch DDP: process-wide groups
@@ -94,6 +98,8 @@ def _options(name: str, folder: str) -> dict[str, Any]:
     opts = dict(OPTIONS.get(name, {}))
     if name in PARTIAL_SYNC:  # a profile measured once, then read: the same schedule in every run
         opts.update(period=2, trial_periods=0, profile=str(Path(folder) / f"{name}-profile.json"))
+    if name == "auto":
+        opts.update(profile=str(Path(folder) / "auto-profile.json"), links=Links(lowband.size(), 1e9))
     return opts
 
 
