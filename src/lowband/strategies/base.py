@@ -369,6 +369,7 @@ class Strategy(GradientPolicies):
         state = {
             "strategy": self.name,
             "steps": self.steps,
+            "world_size": self.group.size,  # per-rank state of another size loads only if replicated
             "model": self.local_module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "extra": self.extra_state(),

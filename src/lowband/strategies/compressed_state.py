@@ -82,5 +82,7 @@ def reshard_checkpoints(states: Sequence[Mapping[str, Any]], world_size: int) ->
         state["extra"]["stage"] = {"rounds": extra0["stage"]["rounds"], "reducer": red}
         if "world_size" in extra0:
             state["extra"]["world_size"] = world_size
+        if "world_size" in state:
+            state["world_size"] = world_size
         out.append(state)
     return out

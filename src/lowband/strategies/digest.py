@@ -16,7 +16,9 @@ Checkpoints (:func:`checkpoint_config`, :func:`check_checkpoint`): a strategy bu
 agrees across ranks on what each rank loads (steps, the world size it was taken at, its options: one
 save of one run), refuses, before anything is loaded, a checkpoint with per-rank state of another world
 size (``extra["world_size"]``: re-shard it first where
-:func:`~lowband.strategies.compressed_state.reshard_checkpoints` can), then refuses a checkpoint whose
+:func:`~lowband.strategies.compressed_state.reshard_checkpoints` can); any other checkpoint taken at
+another size (``state_dict()["world_size"]``, not sharded) loads only where every rank loads the same
+content (a hash of it agreed: a replicated state), and is refused on every rank otherwise; then refuses a checkpoint whose
 options differ from this strategy's (what the state
 means: density, sketch size, compressor, ...), except the options in :data:`STATELESS_OPTIONS` (bucket
 sizes regroup the same state).
@@ -27,6 +29,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import json
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -215,7 +218,8 @@ def check_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
     where = f"{type(strategy).__name__}.load_state_dict on rank {g.rank}"
     saved = state.get("config")
     extra = state.get("extra")
-    taken_at = extra.get("world_size") if isinstance(extra, Mapping) else None
+    resplit = extra.get("world_size") if isinstance(extra, Mapping) else None  # re-shardable state
+    taken_at = resplit if resplit is not None else state.get("world_size")
     clock = getattr(strategy, "checkpoint_clock", None)  # what equal saves share (default: the steps)
     values = {
         "steps": repr(state.get("steps") if clock is None else clock(state)),
@@ -227,7 +231,10 @@ def check_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
         g, "checkpoints being loaded", values, where=where,
         fix="every rank loads its own checkpoint of the same save (same run, same step)",
     )  # fmt: skip
-    if isinstance(taken_at, int) and taken_at != g.size:  # refused before anything is loaded
+    if isinstance(taken_at, int) and taken_at != g.size and resplit is None:
+        if "sharding" not in state:  # sharded state: its layout says what this rank can load
+            _check_replicated(g, state, taken_at, where)
+    elif isinstance(taken_at, int) and taken_at != g.size:  # refused before anything is loaded
         from lowband.strategies.compressed_state import RESHARDABLE
 
         fix = (
@@ -259,3 +266,48 @@ def check_checkpoint(strategy: Any, state: Mapping[str, Any]) -> None:
             f"{where}: the checkpoint's state means something else under this strategy's options: {shown}; "
             "build the strategy with the options it was saved with to resume it"
         )
+
+
+def content_crc(value: object) -> int:
+    """A 31-bit hash of a state's content: every tensor's dtype, shape and bytes, every other value's
+    ``repr``, mappings by key in any order (equal on two ranks iff, up to collisions, they hold the same
+    state: an optimizer's state filled in another order is the same state)."""
+    h = 0
+
+    def walk(v: object) -> None:
+        nonlocal h
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to_dense() if v.is_sparse else v.detach()
+            h = zlib.crc32(f"T{t.dtype}{tuple(t.shape)}".encode(), h)
+            h = zlib.crc32(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), h)
+        elif isinstance(v, Mapping):
+            h = zlib.crc32(f"M{len(v)}".encode(), h)
+            for k, x in sorted(v.items(), key=lambda kv: repr(kv[0])):  # in any insertion order
+                h = zlib.crc32(repr(k).encode(), h)
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            h = zlib.crc32(f"L{len(v)}".encode(), h)
+            for x in v:
+                walk(x)
+        else:
+            h = zlib.crc32(repr(v).encode(), h)
+
+    walk(value)
+    return h & 0x7FFFFFFF
+
+
+def _check_replicated(g: Group, state: Mapping[str, Any], taken_at: int, where: str) -> None:
+    """A checkpoint of ``taken_at`` ranks loads at this group's size only where it holds no per-rank
+    state: every rank loads the same content (a replica: DDP's model and optimizer, a local-SGD run saved
+    right after an averaging with no momenta). Else every rank refuses it (rank r of the old run's
+    replica, momenta or residuals are not this run's rank r's)."""
+    try:
+        agree(g, "checkpoint contents", [content_crc(state)], fields=["content"], where=where)
+    except CollectiveMismatchError as exc:
+        if " differ from rank " not in str(exc):  # another rank is not in this agreement
+            raise
+        raise InvalidArgumentError(
+            f"{where}: the checkpoint was taken at {taken_at} ranks, this group has {g.size}, and the ranks "
+            "load different states (per-rank state: replicas, momenta, residuals, which do not re-split); "
+            f"resume at {taken_at} ranks, or load the averaged model (average_state_dict) into a fresh run"
+        ) from None
