@@ -288,3 +288,24 @@ def test_measured_interference_is_counted_by_the_overlap_models() -> None:
     # what lowband plan writes and auto saves carries it
     back = PlanProfile.from_json(loud.to_json())
     assert (back.cost.kappa, back.cost.sigma) == (2.0, 2.0)
+
+
+def test_near_ties_go_to_the_fewest_bytes() -> None:
+    from lowband.plan.planner import Entry
+
+    def entry(spec: str, ms: float, sent: float) -> Entry:
+        h = 20 if "period=20" in spec else 1
+        return Entry(spec, Prediction.of(ms / 1e3, 0.0, 0.0, sent, local_steps=h))
+
+    gossip, local, slow = (
+        entry("atc", 71.2, 4e6),
+        entry("localsgd:period=20", 72.7, 1.6e5),
+        entry("x", 80.0, 0),
+    )
+    plan = [gossip, local, slow]
+    assert recommend(plan, Acceptance()) == "localsgd:period=20"  # 2 % slower, 25x fewer bytes
+    assert recommend(plan, Acceptance(), tie=0.0) == "atc"
+    assert recommend([gossip, slow], Acceptance()) == "atc"  # 12 % is no tie
+    equal = entry("dreamddp:period=20", 72.0, 1.6e5)
+    assert recommend([gossip, equal, local], Acceptance()) == "dreamddp:period=20"  # the first of equals
+    assert recommend([gossip, local], Acceptance(max_local_steps=1)) == "atc"

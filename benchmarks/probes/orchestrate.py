@@ -107,8 +107,9 @@ def launch(d: Path, cases: list[Case], st: Settings, comm_timeout: float) -> tup
     delays = {}
     for r in range(ranks):
         raised = d / f"raised{r}"
-        if raised.exists() and r in gone:
-            delays[r] = gone[r] - float(raised.read_text().split("\n", 1)[0])
+        stamp = raised.read_text().split("\n", 1)[0] if raised.exists() else ""
+        if stamp and r in gone:
+            delays[r] = gone[r] - float(stamp)
     end = LaunchEnd(
         proc.returncode, (d / "stderr.txt").read_text(errors="replace"), logs, hung, seconds, delays
     )

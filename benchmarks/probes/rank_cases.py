@@ -273,7 +273,9 @@ def signalled(case: Case, folder: Path) -> dict[str, Any]:
                 os.kill(os.getpid(), getattr(signal, case["signal"]))
             time.sleep(0.005)
     except lowband.LowbandError as exc:
-        (folder / f"raised{r}").write_text(f"{time.time()!r}\n{type(exc).__name__}: {exc}"[:2000])
+        tmp = folder / f".raised{r}"  # renamed whole: a rank stopped mid-write leaves no torn file
+        tmp.write_text(f"{time.time()!r}\n{type(exc).__name__}: {exc}"[:2000])
+        tmp.replace(folder / f"raised{r}")
         raise
     return {}
 
