@@ -110,7 +110,7 @@ def recommend(entries: Sequence[Entry], accept: Acceptance, tie: float = TIE) ->
     ``tie`` of it, the one that sends the fewest bytes per step (the first of equals). Sending costs
     processor time the model does not count (copies, the kernel's network stack; on cores the ranks
     share, time taken from computation): measured, BlueFog's every-step neighbor averaging predicted 1-2 %
-    faster than local SGD's averaging every 20 steps ran 28-48 % slower."""
+    faster than local SGD's averaging every 20 steps ran 20-36 % slower."""
     ok = [e.prediction for e in entries if e.prediction is not None and accept.accepts(e.prediction)]
     specs = [e.spec for e in entries if e.prediction is not None and accept.accepts(e.prediction)]
     if not ok:
