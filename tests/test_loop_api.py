@@ -57,7 +57,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "embrace": {"schedule": "horizontal"},
     "diloco": {"inner_steps": 2},  # outer steps at 2 and 4: the outer momentum moves before RESUME_AT
     # one candidate: the compressor's throughput is measured by every run (not in the saved profile), and
-    # compressed and localsgd are predicted within noise of each other (runs chose differently, 1 in ~10)
+    # compressed and localsgd are predicted within noise of each other (two runs of one CI job chose differently)
     "auto": {"only": "localsgd", "drift": 0.0},  # (profile and links: _options)
 }
 PARTIAL_SYNC = ("dreamddp", "plsgd-enp", "flsgd-overlap")
