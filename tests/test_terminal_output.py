@@ -86,14 +86,33 @@ def test_a_killed_rank_is_named_in_a_few_lines(path: list[str], tmp_path: Path) 
     assert code == 1, lines
     ours = [x for x in lines if x.startswith("lowband run: ") and "bytes" not in x and "rank " in x]
     assert ours[0].startswith("lowband run: rank 1 was killed by SIGKILL (exit code -9"), lines
-    assert ours[1].startswith("lowband run: then ranks 0, 2 failed because of it (follow-on errors"), lines
+    follow = _ranks_of(ours, "lowband run: then ", " failed because of it (follow-on errors")
+    stopped = _ranks_of(ours, "lowband run: ", " stopped by torchrun's agent once another rank had failed")
+    if path:  # the testbed waits for every rank: both record their follow-on error
+        assert follow == [0, 2] and not stopped, lines
+    else:  # torchrun's agent stops the others once it sees rank 1 gone (it polls every 0.1 s): a rank
+        # still waiting on a peer then is named as stopped by it (seen on a loaded CI machine)
+        assert sorted(follow + stopped) == [0, 2], lines
     assert _logs(lines) == logs
     label = 1 if path else 0
-    assert len(lines) <= label + 3, "\n".join(lines)
+    assert len(lines) <= label + 4, "\n".join(lines)
     assert "killed (signal SIGKILL, exit code -9)" in (logs / "rank1.log").read_text()
-    for r in (0, 2):
+    for r in follow:
         text = (logs / f"rank{r}.log").read_text()
         assert "Traceback (most recent call last)" in text and "CommFailedError" in text, text
+
+
+def _ranks_of(lines: list[str], head: str, tail: str) -> list[int]:
+    """The ranks named by the one line ``HEAD ranks 0, 2 TAIL`` (``[]`` when there is none)."""
+    found = [x[len(head) : x.index(tail)] for x in lines if x.startswith(head) and tail in x]
+    assert len(found) <= 1, lines
+    if not found:
+        return []
+    out: list[int] = []
+    for part in found[0].removeprefix("ranks ").removeprefix("rank ").split(", "):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
 
 
 def _typo_everywhere() -> None:
