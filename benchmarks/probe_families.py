@@ -1,4 +1,4 @@
-"""Issue 29's six probe families ("Nothing silent") rerun as real multi-process runs.
+"""Six families of adversarial probes of the README's "Nothing silent" guarantees, as real multi-process runs.
 
 Each family's cases run on ranks started by ``lowband run`` (lowband's launcher: real processes, so
 gloo aborts, hangs and exit times are real), watched with a per-probe wall-clock bound, and each
