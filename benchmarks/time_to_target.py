@@ -5,6 +5,8 @@ time is its summed step times until its own 10-step mean first reaches it (evalu
 Usage::
 
     python benchmarks/time_to_target.py benchmarks/results/diloco/gpt-100mbit [--baseline ddp] [--fraction 0.6]
+    python benchmarks/time_to_target.py OUT --target 2.1184   # a run without the baseline: its target given
+
 
 Prints a table and writes ``time_to_target.json`` into the run's folder.
 """
@@ -38,18 +40,23 @@ def main() -> None:
     ap.add_argument("run", type=Path, help="a lowband bench output folder (results.json)")
     ap.add_argument("--baseline", default="ddp")
     ap.add_argument("--fraction", type=float, default=0.6)
+    ap.add_argument(
+        "--target", type=float, help="the target loss itself (e.g. the baseline's in another run)"
+    )
     ns = ap.parse_args()
     runs = json.loads((ns.run / "results.json").read_text())["raw"]["runs"]
-    base = _smooth(_series(runs[ns.baseline])[0])
-    k = max(0, int(ns.fraction * len(base)) - 1)
-    target = base[k]
-    out: dict[str, Any] = {
-        "baseline": ns.baseline,
-        "fraction": ns.fraction,
-        "target": target,
-        "strategies": {},
-    }
-    print(f"target: {ns.baseline}'s 10-step mean training loss at step {k + 1} of {len(base)}: {target:.4f}")
+    out: dict[str, Any] = {"baseline": ns.baseline, "fraction": ns.fraction, "strategies": {}}
+    if ns.target is not None:
+        target = out["target"] = ns.target
+        out["baseline"] = out["fraction"] = None
+        print(f"target: {target:.4f} (given)")
+    else:
+        base = _smooth(_series(runs[ns.baseline])[0])
+        k = max(0, int(ns.fraction * len(base)) - 1)
+        target = out["target"] = base[k]
+        print(
+            f"target: {ns.baseline}'s 10-step mean training loss at step {k + 1} of {len(base)}: {target:.4f}"
+        )
     for name, run in runs.items():
         if name == "compute-only":
             continue
