@@ -7,7 +7,6 @@ Usage::
     python benchmarks/time_to_target.py benchmarks/results/diloco/gpt-100mbit [--baseline ddp] [--fraction 0.6]
     python benchmarks/time_to_target.py OUT --target 2.1184   # a run without the baseline: its target given
 
-
 Prints a table and writes ``time_to_target.json`` into the run's folder.
 """
 
@@ -45,18 +44,20 @@ def main() -> None:
     )
     ns = ap.parse_args()
     runs = json.loads((ns.run / "results.json").read_text())["raw"]["runs"]
-    out: dict[str, Any] = {"baseline": ns.baseline, "fraction": ns.fraction, "strategies": {}}
     if ns.target is not None:
-        target = out["target"] = ns.target
-        out["baseline"] = out["fraction"] = None
+        target, baseline, fraction = ns.target, None, None
         print(f"target: {target:.4f} (given)")
     else:
-        base = _smooth(_series(runs[ns.baseline])[0])
-        k = max(0, int(ns.fraction * len(base)) - 1)
-        target = out["target"] = base[k]
-        print(
-            f"target: {ns.baseline}'s 10-step mean training loss at step {k + 1} of {len(base)}: {target:.4f}"
-        )
+        baseline, fraction = ns.baseline, ns.fraction
+        if baseline not in runs:
+            ap.error(
+                f"{ns.run}: no run of the baseline {baseline!r} (give --baseline, or the target with --target)"
+            )
+        base = _smooth(_series(runs[baseline])[0])
+        k = max(0, int(fraction * len(base)) - 1)
+        target = base[k]
+        print(f"target: {baseline}'s 10-step mean training loss at step {k + 1} of {len(base)}: {target:.4f}")
+    out: dict[str, Any] = {"baseline": baseline, "fraction": fraction, "target": target, "strategies": {}}
     for name, run in runs.items():
         if name == "compute-only":
             continue
@@ -71,10 +72,10 @@ def main() -> None:
         got = "not reached" if hit is None else f"{times[hit]:7.1f} s at step {hit + 1}"
         print(f"  {name[:80]:80s} {got}; final 10-step loss {s[-1]:.4f}")
     reached = {n: v["seconds"] for n, v in out["strategies"].items() if v["seconds"] is not None}
-    torch_best = min((s, n) for n, s in reached.items() if n.startswith(TORCH))
+    torch_reached = [(s, n) for n, s in reached.items() if n.startswith(TORCH)]
     others = [(s, n) for n, s in reached.items() if not n.startswith(TORCH)]
-    if others:
-        best = min(others)
+    if torch_reached and others:  # (else no ratio: the strategies that reached it are listed above)
+        torch_best, best = min(torch_reached), min(others)
         out["best_torch"], out["best_other"] = torch_best[1], best[1]
         out["speedup_vs_best_torch"] = torch_best[0] / best[0]
         print(

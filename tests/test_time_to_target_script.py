@@ -60,3 +60,16 @@ def test_a_given_target_needs_no_baseline_in_the_run(tmp_path: Path) -> None:
     assert s["diloco:inner_steps=5"]["step"] == 4  # 5 - 0.1 (k - 1)
     assert out["best_torch"] == "localsgd:period=20"
     assert abs(out["speedup_vs_best_torch"] - 5.0 / 2.0) < 1e-9
+
+
+def test_no_ratio_where_no_torch_strategy_reaches_the_target_and_no_baseline_is_named(tmp_path: Path) -> None:
+    run = _results(tmp_path)
+    out = _main(run, "--target", "3.0")  # ddp's and localsgd's means end at 3.55 and 4.275
+    assert out["strategies"]["diloco:inner_steps=5"]["step"] == 16  # 5 - 0.2 (k - 5.5) from step 10
+    assert out["strategies"]["localsgd:period=20"]["seconds"] is None
+    assert out["strategies"]["ddp"]["seconds"] is None
+    assert "speedup_vs_best_torch" not in out
+    bad = subprocess.run(
+        [sys.executable, str(SCRIPT), str(run), "--baseline", "powersgd"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "no run of the baseline 'powersgd'" in bad.stderr
