@@ -104,8 +104,9 @@ def chunk_topk_indices(a: Tensor, k: int) -> Tensor:
     kth = torch.topk(a, k, dim=1, sorted=False).values.amin(dim=1, keepdim=True)
     above = a > kth
     ties = a == kth
-    need = k - above.sum(dim=1, keepdim=True)
-    chosen = above | (ties & (ties.cumsum(dim=1) <= need))
+    # int32 counts: the default int64 reductions over bool cost 3-5x more on CPU (c < 2**31 always)
+    need = k - above.sum(dim=1, keepdim=True, dtype=torch.int32)
+    chosen = above | (ties & (ties.cumsum(dim=1, dtype=torch.int32) <= need))
     # exactly k per row: a nonzero of known size (no host synchronisation) over the flat rows, so
     # ascending and row after row; less each row's offset
     flat = torch.nonzero_static(chosen.view(-1), size=n * k).view(n, k)

@@ -68,7 +68,9 @@ def topk_indices(a: Tensor, k: int) -> Tensor:
     ties = a == kth
     # the first (k - |above|) ties, counted on the device: exactly k selected, so a nonzero of known
     # size (no host synchronisation), already ascending
-    chosen = above | (ties & (ties.cumsum(0) <= k - above.sum()))
+    # (int32 counts where they fit: int64 reductions over bool cost 3-5x more on CPU)
+    acc = torch.int32 if d < 2**31 else torch.int64
+    chosen = above | (ties & (ties.cumsum(0, dtype=acc) <= k - above.sum(dtype=acc)))
     return torch.nonzero_static(chosen, size=k).view(-1)
 
 
