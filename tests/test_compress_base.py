@@ -111,6 +111,26 @@ def test_compressors_reject_non_finite_and_non_flat_input() -> None:
         c.compress(torch.ones(3, dtype=torch.int64), ctx)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1, max_size=12),
+    st.sampled_from([torch.float16, torch.float32, torch.float64]),
+)
+def test_finite_check_is_exact(values: list[float], dtype: torch.dtype) -> None:
+    """The CPU check (a finite sum first) refuses exactly the tensors holding a NaN or an infinity,
+    large finite values whose sum overflows included."""
+    from lowband.compress.finite import check_now
+
+    x = torch.tensor(values, dtype=torch.float64).to(dtype)
+    if bool(torch.isfinite(x).all()):
+        check_now("t", x)
+    else:
+        with pytest.raises(InvalidArgumentError, match="non-finite"):
+            check_now("t", x)
+    big = torch.full((4,), torch.finfo(dtype).max, dtype=dtype)
+    check_now("t", big)  # the sum overflows to inf; every element is finite
+
+
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 4), st.integers(0, 40), st.integers(0, 999))
 def test_residual_memory_telescopes(steps: int, n: int, seed: int) -> None:
