@@ -301,6 +301,20 @@ def test_bench_refuses_ranks_the_machine_cannot_hold(
     assert len(started) == 1
 
 
+def test_time_limit_ends_the_bench_and_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--time-limit`` caps the whole bench (the ranks are killed) and the error names the option."""
+    from lowband.cli import main
+
+    out = tmp_path / "out"
+    args = ["bench", "-n", "2", "--mode", "loopback", "--rounds", "50", "--out", str(out), "-s", "ddp"]
+    assert main([*args, "--time-limit", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "reached its time limit of 1 s (--time-limit" in err and "killed them" in err, err
+    assert not (out / "results.json").exists()
+    assert main([*args, "--time-limit", "0"]) == 2
+    assert "argument --time-limit: expected a number of seconds > 0" in capsys.readouterr().err
+
+
 def _reports() -> list[dict[str, object]]:
     from lowband.bench.worker import gather_reports
 

@@ -89,7 +89,7 @@ def count_arg(value: str) -> int:
     return int(value)
 
 
-def _seconds(value: str) -> float:
+def seconds_arg(value: str) -> float:
     try:
         s = float(value)
     except ValueError:
@@ -103,7 +103,7 @@ def add_timeout(p: argparse.ArgumentParser | Any, default: float | None) -> None
     """The communication timeout option shared by ``lowband run`` and ``lowband bench``."""
     said = "lowband's default, 120 s, or LOWBAND_TIMEOUT" if default is None else f"{default:g} s"
     p.add_argument(
-        "--timeout", type=_seconds, default=default, metavar="SECONDS",
+        "--timeout", type=seconds_arg, default=default, metavar="SECONDS",
         help="communication timeout: a rank waiting longer than this on another (a stopped or dead "
         f"rank) fails with a lowband error, and the run ends (default: {said})",
     )  # fmt: skip
@@ -182,10 +182,12 @@ def run_parser(with_script: bool = True) -> argparse.ArgumentParser:
     add_link_options(links)
     add_rate_change_option(links)
     links.add_argument(
-        "--grace", type=_seconds, default=10.0, metavar="SECONDS",
+        "--grace", type=seconds_arg, default=10.0, metavar="SECONDS",
         help="after a rank fails, the others get SECONDS to end by themselves before they are stopped (default 10)",
     )  # fmt: skip
-    links.add_argument("--time-limit", type=_seconds, metavar="SECONDS", help="stop every rank after SECONDS")
+    links.add_argument(
+        "--time-limit", type=seconds_arg, metavar="SECONDS", help="stop every rank after SECONDS"
+    )
     links.add_argument(
         "--report", metavar="PATH", help="also write the byte counters and exit codes as JSON to PATH"
     )

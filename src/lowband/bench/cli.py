@@ -9,10 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lowband.bench.config import BenchConfig
+from lowband.bench.config import TIME_LIMIT_S, BenchConfig
 from lowband.errors import InvalidArgumentError, LowbandError
 from lowband.registry import Registry
-from lowband.run_cli import add_timeout, rate_arg
+from lowband.run_cli import add_timeout, rate_arg, seconds_arg
 from lowband.testbed.schedule import add_rate_change_option
 
 
@@ -124,6 +124,11 @@ def _common(p: argparse.ArgumentParser, dflt: BenchConfig) -> None:
         "--log-dir", default=None, metavar="DIR",
         help="each rank's log, DIR/rankR.log: its output and, if it fails, its full traceback (default "
         "OUT/logs; a failed run prints one line per distinct cause and this folder)",
+    )  # fmt: skip
+    p.add_argument(
+        "--time-limit", type=seconds_arg, default=TIME_LIMIT_S, metavar="SECONDS",
+        help="wall-clock cap on the whole bench, a backstop behind the communication --timeout: the ranks "
+        f"are killed when it passes and nothing is saved (default {TIME_LIMIT_S:g} s)",
     )  # fmt: skip
     p.add_argument(
         "--force", action="store_true",
@@ -273,11 +278,11 @@ def _bench(ns: argparse.Namespace) -> int:
             )
         except ValueError as e:
             raise InvalidArgumentError(f"--sweep-world-sizes: expected ints, e.g. 2,3,4 ({e})") from e
-        res = run_sweep(cfg, rates, sizes, force=ns.force, log_dir=ns.log_dir)
+        res = run_sweep(cfg, rates, sizes, timeout=ns.time_limit, force=ns.force, log_dir=ns.log_dir)
         print(res["table"])
         print(f"sweep results: {Path(cfg.out_dir) / 'sweep.json'}")
         return 0
-    _print_results(run_bench(cfg, force=ns.force, log_dir=ns.log_dir))
+    _print_results(run_bench(cfg, timeout=ns.time_limit, force=ns.force, log_dir=ns.log_dir))
     return 0
 
 
@@ -318,5 +323,5 @@ def _demo(ns: argparse.Namespace) -> int:
         f"lowband demo: {cfg.workload} on {cfg.world_size} ranks, links {cfg.rate or 'unshaped'} per rank; "
         f"strategies: {', '.join(cfg.strategies)}; {cfg.rounds} rounds x {cfg.steps_per_round} steps each, alternated"
     )
-    _print_results(run_bench(cfg, force=ns.force, log_dir=ns.log_dir))
+    _print_results(run_bench(cfg, timeout=ns.time_limit, force=ns.force, log_dir=ns.log_dir))
     return 0

@@ -19,13 +19,13 @@ from typing import IO, Any
 from tqdm import tqdm
 
 import lowband
-from lowband.bench.config import BenchConfig
+from lowband.bench.config import TIME_LIMIT_S, BenchConfig
 from lowband.bench.metrics import Rates, summarize
 from lowband.bench.report import bench_title, plot_all, results_markdown, sweep_table, terminal_table
 from lowband.bench.resources import check_resources, machine, rank_bytes
 from lowband.blame import LaunchFolders, ends_of_codes, read_reports
 from lowband.blame import summary as failure_lines
-from lowband.errors import LowbandError
+from lowband.errors import CommTimeoutError, LowbandError
 from lowband.rank_main import RANK_MAIN, REPORT_DIR_ENV
 from lowband.testbed import Layout, Testbed
 from lowband.testbed.procs import wait_procs
@@ -77,7 +77,7 @@ def check_machine(cfg: BenchConfig) -> None:
 def run_bench(
     cfg: BenchConfig,
     *,
-    timeout: float = 3600.0,
+    timeout: float = TIME_LIMIT_S,
     quiet: bool = False,
     force: bool = False,
     log_dir: str | None = None,
@@ -129,7 +129,15 @@ def run_bench(
             follower = threading.Thread(target=_follow, args=(procs[0].stdout, bar, logs[0]), daemon=True)
             follower.start()
             stopped, killed, ended_at = list[int](), list[int](), dict[int, float]()
-            codes = wait_procs(procs, timeout, grace=10.0, stopped=stopped, killed=killed, ended_at=ended_at)
+            try:
+                codes = wait_procs(
+                    procs, timeout, grace=10.0, stopped=stopped, killed=killed, ended_at=ended_at
+                )
+            except CommTimeoutError as e:
+                raise CommTimeoutError(
+                    f"lowband bench: the run reached its time limit of {timeout:g} s (--time-limit; nothing "
+                    f"was saved): {e}"
+                ) from None
             follower.join(timeout=10)
             bar.set_postfix_str("ranks done: taking the testbed down, writing the results and plots")
             bar.close()
@@ -241,7 +249,7 @@ def run_sweep(
     rates: list[str | None],
     world_sizes: list[int],
     *,
-    timeout: float = 3600.0,
+    timeout: float = TIME_LIMIT_S,
     force: bool = False,
     log_dir: str | None = None,
 ) -> dict[str, Any]:
