@@ -382,8 +382,9 @@ def _probe(tb: Testbed, *args: str, timeout: float = 60) -> dict[str, float]:
     return json.loads(next(o for o in outs if o))  # type: ignore[no-any-return]
 
 
-#: the share of an emulated rate a loaded 2-core host still delivers. Quiet, the probes and the 16 MiB
-#: allreduce below come within 10-15 % of the rate (2026-11-29); on a shared CI host with CPU steal the
+#: the share of an emulated rate a loaded 2-core host still delivers. Quiet, the probes get 1.00-1.02x the
+#: rate and the 16 MiB allreduce below takes 1.04x the ring model (benchmarks/testbed_accuracy.py,
+#: 2026-11-29); on a shared CI host with CPU steal the
 #: allreduce took 1.39x the ring model (2026-11-29) and the probes measured 12-19 % below the rate: the
 #: ranks and tbf's throttling timer wait for the CPU, not the link. What the shaping itself must never do,
 #: let traffic through faster than the rate, is checked tightly; the exact accuracy belongs in a quiet

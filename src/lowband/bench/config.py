@@ -46,8 +46,8 @@ _SIZE = Opt(int, min=4, what="a byte count")
 
 
 #: the default wall-clock cap on one bench (``lowband bench --time-limit``): a backstop, every
-#: communication has its own timeout. 6 h: 600 steps of 5 strategies on a 27 MB model at 10 Mbit/s take
-#: over an hour here.
+#: communication has its own timeout. 6 h: 600 steps of 4 strategies and the compute-only run on a 27 MB
+#: model at 10 Mbit/s take over an hour here.
 TIME_LIMIT_S = 6 * 3600.0
 
 
