@@ -4,8 +4,9 @@ Without CUDA every GPU check prints SKIP and the CPU-side ones (the device-disci
 suites) still run, so the script exits 0 on a CPU machine (CI runs it that way). With CUDA (one GPU is
 enough) it runs, each in a fresh process with a time limit:
 
-- the CUDA-marked tests: every compressor x transport, every strategy, EmbRace's exchange, mixed
-  precision and the bench, with CUDA tensors, 2 ranks sharing the GPU over gloo, against the CPU;
+- the CUDA-marked tests: every compressor x transport, every strategy, diloco's variants and its resume,
+  EmbRace's exchange, mixed precision and the bench, with CUDA tensors, 2 ranks sharing the GPU over
+  gloo, against the CPU; Lightning's Trainer on the GPU (one NCCL rank) against the CPU;
 - single-rank NCCL: ``lowband.init()`` binds cuda:0, creates NCCL eagerly, and lowband's collectives
   run on it (CUDA tensors through NCCL, CPU tensors through gloo on the same group);
 - too many ranks for the GPUs: refused before anything starts, naming the fix;

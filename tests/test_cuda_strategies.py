@@ -80,3 +80,74 @@ def test_every_strategy_on_a_gpu_matches_the_cpu() -> None:
             failures.append(f"{name}: GPU and CPU runs differ by {diff:.3g} > {TOL}")
     print("\n".join(report))
     assert not failures, "\n".join(failures) + "\n" + "\n".join(report)
+
+
+def _resume_all() -> dict[str, object]:
+    """Per strategy: 3 steps, a checkpoint through bytes, 2 more; and a fresh strategy that reads the
+    checkpoint with ``map_location="cpu"`` (as users load one) and runs the same 2 steps."""
+    import io
+
+    dev = lowband.device()
+    out: dict[str, object] = {}
+    for name in strategy_names():
+        try:
+            m1 = em.model(seed=5).to(dev)
+            s1 = make_strategy(name, m1, em.sgd)
+        except InvalidArgumentError as exc:
+            out[name] = f"refused: {exc}"
+            continue
+
+        def step(s: object, k: int) -> None:
+            b = tuple(t.to(dev) for t in em.batch(lowband.rank(), k))
+            s.train_step(lambda mod, b=b: em.loss(mod, b))  # type: ignore[attr-defined]
+
+        for k in range(3):
+            step(s1, k)
+        buf = io.BytesIO()
+        torch.save({"model": m1.state_dict(), "strategy": s1.state_dict()}, buf)
+        for k in range(3, 5):
+            step(s1, k)
+        s1.synchronize()
+        buf.seek(0)
+        saved = torch.load(buf, map_location="cpu", weights_only=False)
+        m2 = em.model(seed=5).to(dev)
+        s2 = make_strategy(name, m2, em.sgd)
+        m2.load_state_dict(saved["model"])
+        s2.load_state_dict(saved["strategy"])
+        for k in range(3, 5):
+            step(s2, k)
+        s2.synchronize()
+        flat = [torch.cat([p.detach().reshape(-1).cpu() for p in m.parameters()]) for m in (m1, m2)]
+        out[name] = {
+            "diff": (flat[0] - flat[1]).abs().max().item(),
+            "finite": bool(torch.isfinite(flat[1]).all()),
+            "device": str(next(m2.parameters()).device),
+        }
+        s1.close()
+        s2.close()
+    return out
+
+
+def check_resume_all(device: str) -> None:
+    got = run_processes(_resume_all, 2, timeout=600, backend="gloo", device=device)
+    failures = []
+    for r, res in enumerate(got):
+        for name, v in res.items():
+            if isinstance(v, str):
+                continue
+            assert isinstance(v, dict)
+            if not v["device"].startswith(device):
+                failures.append(f"rank {r} {name}: the resumed model is on {v['device']}")
+            if not v["finite"]:
+                failures.append(f"rank {r} {name}: non-finite parameters after the resume")
+            if name in DETERMINISTIC and not v["diff"] <= TOL:
+                failures.append(
+                    f"rank {r} {name}: resumed run differs from the uninterrupted by {v['diff']:.3g}"
+                )
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cuda
+@cuda
+def test_every_strategy_resumes_on_a_gpu_from_a_checkpoint_read_to_the_cpu() -> None:
+    check_resume_all("cuda")

@@ -7,6 +7,7 @@ the CUDA-marked tests at the end run on a GPU (``scripts/gpu-check``).
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -134,6 +135,27 @@ def test_backend_devices_and_check_device(monkeypatch: pytest.MonkeyPatch) -> No
         validate.check_device("allreduce", 0, g, torch.zeros(2))
 
 
+def test_host_values_move_to_the_device_only_on_a_group_that_moves_no_cpu_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """lowband's own host values (timings, sizes) on an adopted NCCL-only group (Lightning's, say) go
+    on this rank's device; on any group that moves CPU tensors they stay where they are."""
+    from lowband.comm import base, host_value
+
+    t = torch.arange(3.0)
+    ctx = SimpleNamespace(device=torch.device("meta"))
+    g = SimpleNamespace(pg=object(), name="world")
+    monkeypatch.setattr(base, "resolve", lambda op, group: (ctx, g))
+    monkeypatch.setattr(validate, "served_devices", lambda pg: {"meta"})  # NCCL-only, "meta" the GPU
+    moved = host_value(t)
+    assert moved.device.type == "meta" and moved.shape == t.shape
+    monkeypatch.setattr(validate, "served_devices", lambda pg: {"cpu", "meta"})  # cpu:gloo,cuda:nccl
+    assert host_value(t) is t
+    ctx.device = torch.device("cpu")  # a CPU rank: nothing to move to
+    monkeypatch.setattr(validate, "served_devices", lambda pg: {"meta"})
+    assert host_value(t) is t
+
+
 # -- gloo point-to-point: GPU tensors through host memory ---------------------------------------------
 def test_gpu_tensors_are_staged_for_gloo_point_to_point() -> None:
     def fn() -> bool:
@@ -223,3 +245,33 @@ def test_gpu_check_skips_every_gpu_check_without_cuda(tmp_path: object) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     skips = [line for line in out.stdout.splitlines() if line.startswith("SKIP")]
     assert len(skips) == 5 and all("no CUDA here" in s for s in skips), out.stdout
+
+
+def _powersgd_with_cuda_available() -> list[float]:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from lowband.strategies import make_strategy
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    s = make_strategy("powersgd", m, lambda p: torch.optim.SGD(p, lr=0.01), rank=1, start_iter=2)
+    # this process's view of torch in the hook's module says CUDA is available, as on a GPU machine
+    psgd.torch.cuda.is_available = lambda: True
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(lowband.rank()))
+    losses = [float(s.train_step(lambda mod: mod(x).square().mean())) for _ in range(4)]  # 2 compressed
+    s.close()
+    return losses
+
+
+def test_powersgd_trains_a_cpu_model_on_a_machine_with_cuda() -> None:
+    """torch's PowerSGD hook synchronises the bucket's device whenever CUDA is available, which fails for
+    a CPU bucket (seen on an H200 machine); the strategy's view of torch skips non-GPU devices there,
+    and forwards every other name to torch."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from lowband.strategies.psgd_cpu import tolerate_cpu_buckets
+
+    tolerate_cpu_buckets()
+    assert psgd.torch.zeros is torch.zeros and psgd.torch.cuda.Stream is torch.cuda.Stream
+    for losses in run_processes(_powersgd_with_cuda_available, 2, timeout=120):
+        assert len(losses) == 4 and all(math.isfinite(v) for v in losses)

@@ -39,6 +39,7 @@ def gather_counters() -> dict[int, dict[str, dict[str, int]]]:
 
     import torch
 
+    from lowband.comm.base import host_value
     from lowband.comm.collectives import allgather
 
     ctx = current("gather_counters")
@@ -50,8 +51,8 @@ def gather_counters() -> dict[int, dict[str, dict[str, int]]]:
             if mine
             else torch.empty(0, dtype=torch.uint8, device="cpu")
         )
-        sizes = allgather(torch.tensor([raw.numel()], device="cpu"), name="gather_counters.sizes")
-        blob = allgather(raw, sizes=sizes.tolist(), name="gather_counters")
+        sizes = allgather(host_value(torch.tensor([raw.numel()], device="cpu")), name="gather_counters.sizes")
+        blob = allgather(host_value(raw), sizes=sizes.tolist(), name="gather_counters")
     finally:
         ctx.tracer.enabled = was
     out: dict[int, dict[str, dict[str, int]]] = {}

@@ -1,5 +1,6 @@
 """The communication core: collectives, point-to-point, fusion, handles, tracing."""
 
+from lowband.comm.base import host_value
 from lowband.comm.collectives import (
     allgather,
     allreduce,
@@ -19,7 +20,7 @@ from lowband.comm.handle import Handle, wait_all
 from lowband.comm.p2p import irecv, isend, recv, send
 
 __all__ = [
-    "Handle", "allgather", "allreduce", "alltoall", "barrier", "broadcast", "grouped_allreduce",
+    "Handle", "allgather", "allreduce", "alltoall", "barrier", "broadcast", "grouped_allreduce", "host_value",
     "iallgather", "iallreduce", "ialltoall", "ibarrier", "ibroadcast", "igrouped_allreduce",
     "irecv", "ireduce_scatter", "isend", "recv", "reduce_scatter", "send", "wait_all",
 ]  # fmt: skip

@@ -85,6 +85,21 @@ def checked_tensor(
     return out
 
 
+def host_value(t: torch.Tensor, group: Group | None = None) -> torch.Tensor:
+    """``t``, a small host value of lowband's own (timings, sizes, flags), on a device ``group``'s data
+    backend moves: ``t`` itself where that backend moves CPU tensors (lowband's own groups on a GPU are
+    ``cpu:gloo,cuda:nccl``), else a copy on this rank's device. The latter is an NCCL-only group: one that
+    torch, Lightning or Accelerate made with backend ``nccl`` and :func:`lowband.init` adopted. An op on
+    the result returns it on that device; read it with ``.tolist()``, ``.item()`` or ``.cpu()``.
+    A user's CPU tensor on such a group is still refused (:func:`checked_tensor`): only lowband's own
+    host values are moved."""
+    ctx, g = resolve("host_value", group)
+    served = validate.served_devices(g.pg)
+    if t.device.type in served or ctx.device.type not in served:
+        return t
+    return t.to(ctx.device)
+
+
 def check_inplace(op: str, ctx: Context, t: torch.Tensor) -> None:
     """An ``inplace=True`` target must be writable as one buffer, before anything is sent."""
     if t.requires_grad and torch.is_grad_enabled():

@@ -142,6 +142,12 @@ def _served(pg: Any) -> tuple[str, set[str]]:
     return got
 
 
+def served_devices(pg: Any) -> set[str]:
+    """The device types process group ``pg``'s backend moves (every type for a group torch does not
+    know by name)."""
+    return _served(pg)[1]
+
+
 def check_device(op: str, rank: int, g: object, t: torch.Tensor, what: str = "tensor") -> None:
     """``t``'s device type must be one the group's data backend moves (a CPU tensor on an NCCL-only
     group, a tensor on a device no backend of the group serves), before anything is sent."""

@@ -234,6 +234,8 @@ class DGCMemory(Memory):
                 raise InvalidArgumentError(
                     f"DGCMemory: parameter {name!r} has {n} elements, its memory {t.numel()}"
                 )
+            elif t.device != like.device:  # loaded with map_location="cpu", say: moved once, to the input's
+                t = store[name] = t.to(like.device)
             parts.append(t)
         return torch.cat(parts) if len(parts) != 1 else parts[0].clone()
 

@@ -119,6 +119,8 @@ class ResidualMemory(Memory):
                 raise InvalidArgumentError(
                     f"ResidualMemory: parameter {name!r} has {n} elements, its memory {e.numel()}"
                 )
+            elif e.device != like.device:  # loaded with map_location="cpu", say: moved once, to the input's
+                e = self.tensors[name] = e.to(like.device)
             parts.append(e)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lowband.comm.base import host_value
 from lowband.comm.collectives import allreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -42,4 +43,5 @@ def model_divergence(
         flat = torch.cat([p.detach().reshape(-1).to(torch.float64) for p in ps])
         mean = allreduce(flat, "average", group=g)
         sq += float(((flat - mean) ** 2).sum())
-    return float(allreduce(torch.tensor([sq], dtype=torch.float64, device="cpu"), "average", group=g)[0])
+    sq_t = host_value(torch.tensor([sq], dtype=torch.float64, device="cpu"), g)
+    return float(allreduce(sq_t, "average", group=g)[0])

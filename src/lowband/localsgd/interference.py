@@ -15,6 +15,7 @@ import time
 import torch
 from torch import nn
 
+from lowband.comm.base import host_value
 from lowband.comm.collectives import allgather, allreduce, iallreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -135,6 +136,8 @@ def measure_interference(
         quiet_pass, quiet_comm = [quiet[0]], [quiet[1]]
     kappa = _ratio_excess(statistics.median(busy_pass), statistics.median(quiet_pass))
     sigma = _ratio_excess(statistics.median(busy_comm), statistics.median(quiet_comm))
-    table = allgather(torch.tensor([[kappa, sigma]], dtype=torch.float64, device="cpu"), group=g)
+    table = allgather(
+        host_value(torch.tensor([[kappa, sigma]], dtype=torch.float64, device="cpu"), g), group=g
+    )
     rows = table.tolist()  # the median over ranks: one rank's noisy estimate does not set it
     return float(statistics.median(r[0] for r in rows)), float(statistics.median(r[1] for r in rows))

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lowband.comm.base import host_value
 from lowband.comm.collectives import allgather, allreduce
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -163,9 +164,8 @@ def measure_comm(
             allreduce(buf, inplace=True, group=fast)
             ts.append(_sync(dev) - t0)
         # host-side timings (a CPU tensor: on a cpu:gloo,cuda:nccl group it goes through gloo)
-        red = allreduce(
-            torch.tensor([statistics.median(ts)], dtype=torch.float64, device="cpu"), "max", group=g
-        )
+        mine = host_value(torch.tensor([statistics.median(ts)], dtype=torch.float64, device="cpu"), g)
+        red = allreduce(mine, "max", group=g)
         samples.append((nb, float(red.item())))
         if len(samples) >= 2 and samples[-1][1] >= COMM_TIME_CAP:
             break
@@ -360,7 +360,7 @@ def profile_model(
     for k, i in enumerate(order):
         pos[i] = float(k)
     row = torch.tensor([*fwd, *bwd, *pos, *walls], dtype=torch.float64, device="cpu")  # host timings
-    table = allgather(row, group=g).view(g.size, 3 * n + repeats)
+    table = allgather(host_value(row, g), group=g).view(g.size, 3 * n + repeats).cpu()
     fwd = table[:, :n].amax(0).tolist()
     bwd = table[:, n : 2 * n].amax(0).tolist()
     order = tuple(sorted(range(n), key=lambda i: float(table[0, 2 * n + i])))  # rank 0's order

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from lowband.comm.agree import agree, crc
+from lowband.comm.base import host_value
 from lowband.comm.collectives import allreduce
 from lowband.errors import InvalidArgumentError
 from lowband.localsgd.costmodel import CostProfile
@@ -160,7 +161,9 @@ class ScheduledStrategy(Strategy):
             return
         # the slowest rank's figures, identical on every rank: every rank keeps the same contender
         local = torch.tensor(trial.measured(), dtype=torch.float64, device="cpu")  # host timings
-        measured = allreduce(local, "max", group=self.averager.group).tolist()
+        measured = allreduce(
+            host_value(local, self.averager.group), "max", group=self.averager.group
+        ).tolist()
         win = decide(measured)
         ratio = measured[win] / max(self._candidates[win][1].predicted_period, 1e-12)
         self.trial_log.append(
@@ -235,7 +238,9 @@ class ScheduledStrategy(Strategy):
             dtype=torch.float64,
             device="cpu",
         )  # host timings
-        tot_s, tot_b = allreduce(local, "sum", group=self.averager.group).tolist()
+        tot_s, tot_b = allreduce(
+            host_value(local, self.averager.group), "sum", group=self.averager.group
+        ).tolist()
         if tot_b <= 0 or tot_s <= 0:
             return
         spb = tot_s / tot_b

@@ -32,6 +32,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from lowband.comm import collectives as comm
 from lowband.comm import validate
+from lowband.comm.base import host_value
 from lowband.comm.handle import Handle
 from lowband.errors import InvalidArgumentError
 from lowband.group import Group
@@ -104,7 +105,9 @@ def _tensor(op: str, rank: int, x: object) -> torch.Tensor:
 def _exchange_dim0(n: int, group: Group) -> list[int]:
     return [
         int(v)
-        for v in comm.allgather(torch.tensor([n], dtype=torch.int64, device="cpu"), group=group).tolist()
+        for v in comm.allgather(
+            host_value(torch.tensor([n], dtype=torch.int64, device="cpu"), group), group=group
+        ).tolist()
     ]
 
 
@@ -250,7 +253,9 @@ def ialltoall(
     else:
         send = validate.check_splits("nn.alltoall", ctx.rank, "splits", splits, p, n0)
     if recv_splits is None:
-        got = comm.alltoall(torch.tensor(send, dtype=torch.int64, device="cpu"), group=group)[0]
+        got = comm.alltoall(
+            host_value(torch.tensor(send, dtype=torch.int64, device="cpu"), group), group=group
+        )[0]
         recv = [int(v) for v in got.tolist()]
     else:
         recv = validate.check_splits("nn.alltoall", ctx.rank, "recv_splits", recv_splits, p, None)

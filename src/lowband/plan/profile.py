@@ -335,6 +335,7 @@ def whole_step_seconds(
     """The median over ``repeats`` training steps (zero_grad, ``loss_fn``'s forward, backward, ``opt``'s
     step; one untimed first) of each step's seconds on the slowest rank of ``group`` (collective: every
     rank steps at once and the ranks' times are gathered; a world of one without it)."""
+    from lowband.comm.base import host_value
     from lowband.comm.collectives import allgather
 
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -353,5 +354,5 @@ def whole_step_seconds(
         if k:
             ts.append(now() - t0)
     mine = torch.tensor([ts], dtype=torch.float64, device="cpu")
-    rows = allgather(mine, group=group) if group is not None and group.size > 1 else mine
+    rows = allgather(host_value(mine, group), group=group) if group is not None and group.size > 1 else mine
     return float(statistics.median(rows.max(dim=0).values.tolist()))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from lowband.comm import collectives as comm
+from lowband.comm.base import host_value
 from lowband.comm.handle import Handle
 from lowband.group import Group
 from lowband.sparse.partition import owner_rows, unique_rows
@@ -34,8 +35,9 @@ def plan_lookup(ids: torch.Tensor, *, name: str, group: Group) -> LookupPlan:
     """Collective: gathers every rank's ids (uneven, possibly empty) and derives the unique rows."""
     flat = ids.reshape(-1).to(torch.int64)
     # control plane: the counts are host numbers (they size the receive buffer), so they travel as a
-    # CPU tensor (a CPU gloo path on every group lowband makes): no device synchronisation
-    mine = torch.tensor([flat.numel()], dtype=torch.int64, device="cpu")
+    # CPU tensor (a CPU gloo path on every group lowband makes: no device synchronisation), on the GPU
+    # only on an adopted NCCL-only group
+    mine = host_value(torch.tensor([flat.numel()], dtype=torch.int64, device="cpu"), group)
     counts = comm.allgather(mine, name=f"{name}/counts", group=group)
     sizes = [int(c) for c in counts.tolist()]
     every = comm.allgather(flat, sizes=sizes, name=f"{name}/ids", group=group)

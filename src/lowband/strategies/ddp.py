@@ -60,6 +60,7 @@ from lowband.optim.scaling import GradUnscaler, check_scaled_, exact_scale
 from lowband.options import Opt, Options
 from lowband.rng import fork_rng
 from lowband.strategies.base import LossFn, OptimizerFactory, Strategy
+from lowband.strategies.psgd_cpu import tolerate_cpu_buckets
 from lowband.strategies.registry import register_strategy
 from lowband.strategies.replay import ForwardReplay
 from lowband.strategies.torchcomm import comm_errors
@@ -353,6 +354,7 @@ class PowerSGDStrategy(DDPStrategy):
     ) -> None:
         super().__init__(model, make_optimizer, group, bucket_cap_mb=bucket_cap_mb)
         self.rank, self.start_iter = int(rank), int(start_iter)
+        tolerate_cpu_buckets()  # a CPU model on a machine with CUDA (lowband.strategies.psgd_cpu)
         self.state = psgd.PowerSGDState(
             process_group=group.pg,
             matrix_approximation_rank=self.rank,
@@ -417,10 +419,11 @@ class PowerSGDStrategy(DDPStrategy):
         hook, self._pending = self._pending, None
         if hook is None:
             return
+        dev = next(self.module.parameters()).device  # a checkpoint read with map_location="cpu", say
         for slot in _PSGD_DYNAMIC:
             value = hook[slot]
             if isinstance(value, dict):  # the hook updates its memory in place: keep the checkpoint intact
-                value = {i: t.clone() for i, t in value.items()}
+                value = {i: t.to(dev, copy=True) for i, t in value.items()}
             setattr(self.state, slot, value)
         rng = hook["rng"]
         if isinstance(rng, np.random.RandomState):  # a checkpoint pickled with the generator object

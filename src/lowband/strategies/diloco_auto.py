@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from lowband.comm.agree import agree, crc
+from lowband.comm.base import host_value
 from lowband.comm.collectives import allgather
 from lowband.compress.base import CompressContext
 from lowband.compress.reducer import CompressedReducer
@@ -195,7 +196,7 @@ class DiLoCoAuto:
         """At the end of the first period: agree on every rank's seconds per step, derive the steps."""
         own = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else 0.0
         row = torch.tensor([own], dtype=torch.float64, device="cpu")  # host timings
-        times = allgather(row, group=self.group).tolist()
+        times = allgather(host_value(row, self.group), group=self.group).tolist()
         if min(times) <= 0.0:
             raise InvalidArgumentError(
                 f"{self.where}: inner_steps=auto measured no inner step on some rank ({times}); step through "

@@ -52,6 +52,7 @@ import numpy.typing as npt
 import torch
 
 import lowband
+from lowband.comm.base import host_value
 from lowband.errors import InvalidArgumentError
 from lowband.runtime import current
 from lowband.topology import (
@@ -247,10 +248,10 @@ def _gather_lists(where: str, mine: list[int]) -> Lists:
     at = f"{_MOD}.{where} on rank {ctx.rank}"
     check_rank_list(at, "ranks", mine, ctx.rank, ctx.size)
     lens = lowband.allgather(
-        torch.tensor([len(mine)], dtype=torch.int64, device="cpu"), name=f"{where}.degrees"
+        host_value(torch.tensor([len(mine)], dtype=torch.int64, device="cpu")), name=f"{where}.degrees"
     )
     flat = lowband.allgather(
-        torch.tensor(mine, dtype=torch.int64, device="cpu"), name=f"{where}.ranks"
+        host_value(torch.tensor(mine, dtype=torch.int64, device="cpu")), name=f"{where}.ranks"
     ).tolist()
     out: Lists = []
     pos = 0

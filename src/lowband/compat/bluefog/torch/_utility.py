@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 import lowband
+from lowband.comm.base import host_value
 from lowband.comm.initial import broadcast_tensors
 from lowband.errors import InvalidArgumentError
 from lowband.runtime import current
@@ -68,11 +69,13 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
         torch.save(optimizer.state_dict(), buf)
         payload = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
     n = lowband.broadcast(
-        torch.tensor([payload.numel()], dtype=torch.int64, device="cpu"), root_rank, name=f"{op}.size"
+        host_value(torch.tensor([payload.numel()], dtype=torch.int64, device="cpu")),
+        root_rank,
+        name=f"{op}.size",
     )
     if ctx.rank != root_rank:
         payload = torch.empty(int(n.item()), dtype=torch.uint8, device="cpu")
-    payload = lowband.broadcast(payload, root_rank, name=op)
+    payload = lowband.broadcast(host_value(payload), root_rank, name=op).cpu()
     if ctx.rank != root_rank:
         state = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
         optimizer.load_state_dict(state)
