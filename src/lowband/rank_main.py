@@ -200,6 +200,29 @@ class _Tee:
         return getattr(self._stream, name)
 
 
+@contextmanager
+def _sigterm_deferred() -> Iterator[None]:
+    """SIGTERM waits until the block ends, then acts as it would have. A Python handler notes it: the
+    process has other threads (gloo's, torch's), and a signal the main thread masks goes to one of them
+    and ends the process there. Off the main thread (no handler can be set) the thread masks it."""
+    got: list[int] = []
+    try:
+        old = signal.signal(signal.SIGTERM, lambda signum, _frame: got.append(signum))
+    except ValueError:  # not the main thread
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old if old is not None else signal.SIG_DFL)
+        if got:
+            signal.raise_signal(signal.SIGTERM)
+
+
 class RankSession:
     """What :func:`rank_session` yields: :meth:`record` the rank's error before shutting down."""
 
@@ -213,8 +236,7 @@ class RankSession:
         if exc is self._recorded:
             return
         self._recorded = exc
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        try:
+        with _sigterm_deferred():
             if self.report_dir is not None:
                 try:
                     write_report(self.report_dir, self.rank, exc)
@@ -228,8 +250,6 @@ class RankSession:
             if out is not None:
                 out.write(text)
                 out.flush()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @contextmanager
