@@ -103,3 +103,38 @@ def test_average_is_the_mean_of_the_replicas(name: str, n: int) -> None:
 def test_localsgd_average_between_averagings() -> None:
     # torch's model averager needs a process-wide process group: ranks as processes
     _check(run_processes(_consensus, 2, "localsgd", timeout=120), "localsgd")
+
+
+def _spreads(case: str) -> dict[str, Any]:
+    """Every rank's parameters set to seeded rank-dependent values (``case``: all ranks the same; one
+    entry different on the last rank; every entry rank-dependent; a NaN on every rank)."""
+    r, n = lowband.rank(), lowband.size()
+    m = _model()
+    s = make_strategy("atc", m, _opt, topology="ring")
+    with torch.no_grad():
+        for i, p in enumerate(m.parameters()):
+            g = torch.Generator().manual_seed(100 * i + (r if case == "all" else 0))
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+            if case == "one" and r == n - 1 and i == 2:
+                p.view(-1)[1] += 0.25
+            if case == "nan" and i == 1:
+                p.view(-1)[0] = float("nan")
+    out = {"own": _flat(m.state_dict()), "spread": s.replica_spread()}
+    s.close()
+    return out
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 4))
+@pytest.mark.parametrize("case", ("same", "one", "all", "nan"))
+def test_replica_spread_is_the_largest_difference_across_ranks(case: str, n: int) -> None:
+    """The oracle: every rank's parameters gathered here, max over entries of (max - min) over ranks;
+    the hash shortcut answers 0.0 only where the replicas are identical."""
+    res = run_threads(_spreads, n, case, timeout=60)
+    own = torch.tensor([x["own"] for x in res], dtype=torch.float64)
+    want = float((own.max(0).values - own.min(0).values).abs().max())
+    for x in res:
+        if case == "nan":
+            assert x["spread"] != x["spread"], x["spread"]  # NaN: not a silent 0.0
+        else:
+            assert x["spread"] == want, (x["spread"], want)
+    assert (want > 0) == (case in ("one", "all") and n > 1)

@@ -279,9 +279,13 @@ class Strategy(GradientPolicies):
 
     def replica_spread(self) -> float:
         """Collective: max over replicated parameter entries of (max over ranks - min over ranks);
-        0.0 when every rank's replicated parameters are identical."""
+        0.0 when every rank's replicated parameters are identical (a hash of them agreed first: the
+        parameters travel, twice, only where the replicas differ or hold a non-finite value)."""
         params = [p.detach().reshape(-1).double() for _, p in self.replicated_parameters()]
         flat = torch.cat(params) if params else torch.zeros(1, dtype=torch.float64)
+        where = f"{type(self).__name__}.replica_spread on rank {self.group.world_rank}"
+        if bool(torch.isfinite(flat).all()) and digest.identical_on_every_rank(self.group, flat, where):
+            return 0.0
         hi = comm.allreduce(flat, op="max", group=self.group)
         lo = comm.allreduce(flat, op="min", group=self.group)
         return float((hi - lo).abs().max()) if flat.numel() else 0.0

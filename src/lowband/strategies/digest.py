@@ -27,6 +27,7 @@ sizes regroup the same state).
 from __future__ import annotations
 
 import datetime
+import hashlib
 import inspect
 import json
 import zlib
@@ -294,6 +295,22 @@ def content_crc(value: object) -> int:
 
     walk(value)
     return h & 0x7FFFFFFF
+
+
+def identical_on_every_rank(g: Group, flat: torch.Tensor, where: str) -> bool:
+    """Collective on ``g``'s control process group: whether every rank holds the same bytes in ``flat``
+    (a 62-bit hash of them compared: two small values travel, not the tensor; a collision is a chance in
+    4e18)."""
+    from lowband.comm.control import control_allreduce
+    from lowband.runtime import current
+
+    if g.size == 1:
+        return True
+    data = flat.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+    pair = torch.tensor([h, -h], dtype=torch.int64)
+    both = control_allreduce(g, pair, "max", current(where).config.timeout, where)
+    return int(both[0]) == -int(both[1])  # the largest hash is the smallest
 
 
 def _check_replicated(g: Group, state: Mapping[str, Any], taken_at: int, where: str) -> None:
