@@ -280,15 +280,26 @@ class Strategy(GradientPolicies):
     def replica_spread(self) -> float:
         """Collective: max over replicated parameter entries of (max over ranks - min over ranks);
         0.0 when every rank's replicated parameters are identical (a hash of them agreed first: the
-        parameters travel, twice, only where the replicas differ or hold a non-finite value)."""
-        params = [p.detach().reshape(-1).double() for _, p in self.replicated_parameters()]
-        flat = torch.cat(params) if params else torch.zeros(1, dtype=torch.float64)
-        where = f"{type(self).__name__}.replica_spread on rank {self.group.world_rank}"
-        if bool(torch.isfinite(flat).all()) and digest.identical_on_every_rank(self.group, flat, where):
+        parameters travel only where the replicas differ or hold a non-finite value, then once, in their
+        own dtype, where max and min are exact: ``[x, -x]`` reduced by max)."""
+        by_dtype: dict[str, list[torch.Tensor]] = {}
+        for _, p in self.replicated_parameters():
+            by_dtype.setdefault(str(p.dtype), []).append(p.detach().reshape(-1))
+        flats = [torch.cat(by_dtype[k]) for k in sorted(by_dtype)]
+        if not flats:
             return 0.0
-        hi = comm.allreduce(flat, op="max", group=self.group)
-        lo = comm.allreduce(flat, op="min", group=self.group)
-        return float((hi - lo).abs().max()) if flat.numel() else 0.0
+        where = f"{type(self).__name__}.replica_spread on rank {self.group.world_rank}"
+        raw = torch.cat([f.contiguous().view(torch.uint8) for f in flats])
+        if all(bool(torch.isfinite(f).all()) for f in flats) and digest.identical_on_every_rank(
+            self.group, raw, where
+        ):
+            return 0.0
+        spreads = [torch.zeros((), dtype=torch.float64)]
+        for flat in flats:
+            both = comm.allreduce(torch.cat([flat, -flat]), op="max", group=self.group)
+            hi, lo = both[: flat.numel()].double(), -both[flat.numel() :].double()
+            spreads += [(hi - lo).abs().max().cpu()] if flat.numel() else []
+        return float(torch.stack(spreads).max())  # NaN where a replica holds one
 
     # -- consensus for evaluation and export ------------------------------------------------------
     def average_state_dict(self) -> dict[str, torch.Tensor]:
