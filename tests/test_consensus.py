@@ -107,13 +107,16 @@ def test_localsgd_average_between_averagings() -> None:
 
 def _spreads(case: str) -> dict[str, Any]:
     """Every rank's parameters set to seeded rank-dependent values (``case``: all ranks the same; one
-    entry different on the last rank; every entry rank-dependent; a NaN on every rank)."""
+    entry different on the last rank; every entry rank-dependent; a NaN on every rank; every entry
+    rank-dependent, one layer in float32)."""
     r, n = lowband.rank(), lowband.size()
     m = _model()
+    if case == "mixed":  # its last layer in float32: each dtype travels as itself
+        m[3].float()
     s = make_strategy("atc", m, _opt, topology="ring")
     with torch.no_grad():
         for i, p in enumerate(m.parameters()):
-            g = torch.Generator().manual_seed(100 * i + (r if case == "all" else 0))
+            g = torch.Generator().manual_seed(100 * i + (r if case in ("all", "mixed") else 0))
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
             if case == "one" and r == n - 1 and i == 2:
                 p.view(-1)[1] += 0.25
@@ -125,7 +128,7 @@ def _spreads(case: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("n", (1, 2, 3, 4))
-@pytest.mark.parametrize("case", ("same", "one", "all", "nan"))
+@pytest.mark.parametrize("case", ("same", "one", "all", "nan", "mixed"))
 def test_replica_spread_is_the_largest_difference_across_ranks(case: str, n: int) -> None:
     """The oracle: every rank's parameters gathered here, max over entries of (max - min) over ranks;
     the hash shortcut answers 0.0 only where the replicas are identical."""
@@ -137,4 +140,4 @@ def test_replica_spread_is_the_largest_difference_across_ranks(case: str, n: int
             assert x["spread"] != x["spread"], x["spread"]  # NaN: not a silent 0.0
         else:
             assert x["spread"] == want, (x["spread"], want)
-    assert (want > 0) == (case in ("one", "all") and n > 1)
+    assert (want > 0) == (case in ("one", "all", "mixed") and n > 1)
