@@ -289,9 +289,8 @@ class Strategy(GradientPolicies):
         if not flats:
             return 0.0
         where = f"{type(self).__name__}.replica_spread on rank {self.group.world_rank}"
-        raw = torch.cat([f.contiguous().view(torch.uint8) for f in flats])
         if all(bool(torch.isfinite(f).all()) for f in flats) and digest.identical_on_every_rank(
-            self.group, raw, where
+            self.group, flats, where
         ):
             return 0.0
         spreads = [torch.zeros((), dtype=torch.float64)]

@@ -31,7 +31,7 @@ import hashlib
 import inspect
 import json
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -297,17 +297,20 @@ def content_crc(value: object) -> int:
     return h & 0x7FFFFFFF
 
 
-def identical_on_every_rank(g: Group, flat: torch.Tensor, where: str) -> bool:
-    """Collective on ``g``'s control process group: whether every rank holds the same bytes in ``flat``
-    (a 62-bit hash of them compared: two small values travel, not the tensor; a collision is a chance in
-    4e18)."""
+def identical_on_every_rank(g: Group, tensors: Sequence[torch.Tensor], where: str) -> bool:
+    """Collective on ``g``'s control process group: whether every rank holds the same ``tensors`` (dtype,
+    shape and bytes; a 62-bit hash of them compared: two small values travel, not the tensors; a
+    collision is a chance in 4e18)."""
     from lowband.comm.control import control_allreduce
     from lowband.runtime import current
 
     if g.size == 1:
         return True
-    data = flat.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 2
+    hasher = hashlib.blake2b(digest_size=8)
+    for t in tensors:
+        hasher.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        hasher.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    h = int.from_bytes(hasher.digest(), "little") >> 2
     pair = torch.tensor([h, -h], dtype=torch.int64)
     both = control_allreduce(g, pair, "max", current(where).config.timeout, where)
     return int(both[0]) == -int(both[1])  # the largest hash is the smallest
